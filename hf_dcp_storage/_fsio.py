@@ -1,0 +1,132 @@
+"""The few filesystem operations the library needs, over fsspec, plus the local fast path.
+
+Paths are URL strings joined with ``posixpath``: a ``Path`` would mangle ``s3://``. Local disk
+is the one backend with positioned writes into a shared file (``os.pwrite``), so it gets raw
+file descriptors; everything else goes through fsspec streams and ranged reads.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Any
+
+import fsspec
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = [
+    "resolve",
+    "join",
+    "is_local",
+    "url_of",
+    "read_range",
+    "exists",
+    "list_names",
+    "remove",
+    "remove_tree",
+    "write_atomic",
+    "open_rw",
+    "pwrite_all",
+    "pread_into",
+    "fsync_dir",
+]
+
+
+def resolve(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> tuple[AbstractFileSystem, str]:
+    """The filesystem and root path for a local path or any fsspec URL."""
+    return fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
+
+
+def join(root: str, *parts: str) -> str:
+    return posixpath.join(root, *parts)
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def url_of(fs: AbstractFileSystem, path: str) -> str:
+    """A path as the user would write it (``s3://b/k``, ``memory://x``, or a local path)."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def read_range(fs: AbstractFileSystem, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``path`` (fewer if the file is shorter)."""
+    if end <= start:
+        return b""
+    return fs.cat_file(path, start=start, end=end)
+
+
+def exists(fs: AbstractFileSystem, path: str) -> bool:
+    return fs.exists(path)
+
+
+def list_names(fs: AbstractFileSystem, directory: str) -> list[str]:
+    """Base names in ``directory``; empty if it does not exist."""
+    try:
+        return [posixpath.basename(p.rstrip("/")) for p in fs.ls(directory, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def remove(fs: AbstractFileSystem, path: str) -> None:
+    """Delete one file if it exists."""
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_tree(fs: AbstractFileSystem, path: str) -> None:
+    """Delete a folder and everything under it, if it exists."""
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def write_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write a small file so that readers see either nothing or all of it, durably.
+
+    Local disk: temp file, fsync, rename, fsync of the folder. Object stores: one PUT, which
+    is atomic there; we never rely on rename, which S3 implements as copy plus delete.
+    """
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(posixpath.dirname(path))
+
+
+def open_rw(path: str, *, create: bool) -> int:
+    """A raw descriptor for positioned writes; ``create`` makes the file if missing (never truncates)."""
+    return os.open(path, os.O_WRONLY | (os.O_CREAT if create else 0), 0o644)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until every byte is written (a single call may write fewer)."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, *, where: str) -> None:
+    """Fill ``buf`` from ``offset``; a short read means the file is truncated."""
+    while buf:
+        n = os.preadv(fd, [buf], offset)
+        if n == 0:
+            raise ValueError(f"{where}: unexpected end of file at byte {offset}; the file is truncated")
+        buf, offset = buf[n:], offset + n
+
+
+def fsync_dir(path: str) -> None:
+    """Make a folder's entries (new or renamed files) durable."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

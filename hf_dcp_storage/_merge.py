@@ -1,0 +1,100 @@
+"""Merge per-rank staged objects into one consolidated safetensors file, with bounded memory.
+
+Used where the store has no positioned writes (object stores, ``memory://``): each rank
+streamed its chunks of an output file, in chunk byte order, into one staged object; the
+coordinator walks the output file front to back and copies each byte run from the staged
+object that holds it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from fsspec import AbstractFileSystem
+
+from . import _fsio
+from ._layout import chunk_runs
+
+__all__ = ["StagedPiece", "merge_segments", "merge_file", "COPY_BYTES"]
+
+# Bytes moved per read/write while copying: bounds the merge's memory per thread.
+COPY_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class StagedPiece:
+    """One write item's bytes inside a staged object, and where its tensor lives in the output."""
+
+    path: str
+    tensor_start: int
+    staged_offset: int
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    itemsize: int
+
+
+def merge_segments(pieces: Iterable[StagedPiece]) -> Iterator[tuple[int, str, int, int]]:
+    """``(output_offset, staged_path, staged_offset, nbytes)`` in output order, adjacent runs joined.
+
+    Runs of different pieces interleave (column shards alternate by row), so the pieces' run
+    streams are merged lazily by output offset; memory stays one pending run per piece.
+    """
+    streams = [_piece_runs(p) for p in pieces]
+    current: tuple[int, str, int, int] | None = None
+    for seg in heapq.merge(*streams):
+        if current is not None:
+            off, path, soff, n = current
+            if seg[1] == path and seg[0] == off + n and seg[2] == soff + n:
+                current = (off, path, soff, n + seg[3])
+                continue
+            yield current
+        current = seg
+    if current is not None:
+        yield current
+
+
+def _piece_runs(p: StagedPiece) -> Iterator[tuple[int, str, int, int]]:
+    for t, c, n in chunk_runs(p.shape, p.offsets, p.sizes, p.itemsize):
+        yield p.tensor_start + t, p.path, p.staged_offset + c, n
+
+
+def merge_file(
+    fs: AbstractFileSystem, out_path: str, header: bytes, size: int, pieces: Iterable[StagedPiece]
+) -> None:
+    """Write ``header`` then every staged run in order to ``out_path``; exactly ``size`` bytes.
+
+    Raises:
+        RuntimeError: the staged runs leave a hole or overlap (an inconsistent save).
+    """
+    readers = {}
+    try:
+        with fs.open(out_path, "wb") as out:
+            out.write(header)
+            pos = len(header)
+            for off, path, soff, n in merge_segments(pieces):
+                if off != pos:
+                    raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
+                src = readers.get(path)
+                if src is None:
+                    src = readers[path] = fs.open(path, "rb", block_size=COPY_BYTES)
+                src.seek(soff)
+                left = n
+                while left:
+                    data = src.read(min(left, COPY_BYTES))
+                    if not data:
+                        raise RuntimeError(f"{path}: staged object ends early at byte {soff + n - left}")
+                    out.write(data)
+                    left -= len(data)
+                pos += n
+            if pos != size:
+                raise RuntimeError(f"{out_path}: merged {pos} bytes but the layout has {size}")
+            if _fsio.is_local(fs):
+                out.flush()
+                os.fsync(out.fileno())
+    finally:
+        for r in readers.values():
+            r.close()

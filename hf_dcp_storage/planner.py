@@ -1,0 +1,158 @@
+"""Planners mapping a trainer's state dict onto HF checkpoint keys and dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import torch
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+
+__all__ = ["KeyMapping", "HFSavePlanner", "HFLoadPlanner"]
+
+KeyMapping = Union[Mapping[str, str], Callable[[str], str]]
+
+
+def _mapper(key_mapping: KeyMapping | None) -> Callable[[str], str]:
+    """A callable FQN -> HF key; a dict renames the keys it lists and keeps the others."""
+    if key_mapping is None:
+        return lambda fqn: fqn
+    if isinstance(key_mapping, Mapping):
+        table = dict(key_mapping)
+        return lambda fqn: table.get(fqn, fqn)
+    if callable(key_mapping):
+        return key_mapping
+    raise ValueError(f"key_mapping must be a dict or a callable FQN -> HF key, got {type(key_mapping).__name__}")
+
+
+def _map_keys(fqns: list[str], key_mapping: KeyMapping | None) -> dict[str, str]:
+    """FQN -> HF key for every FQN; two FQNs landing on one key is an error."""
+    fn = _mapper(key_mapping)
+    mapped: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for fqn in fqns:
+        key = fn(fqn)
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"key_mapping maps {fqn!r} to {key!r}; it must return a non-empty str")
+        if key in seen:
+            raise ValueError(
+                f"key_mapping maps both {seen[key]!r} and {fqn!r} to {key!r}; each HF key must come "
+                f"from exactly one state-dict key. Fix the mapping (tied weights keep distinct names)."
+            )
+        seen[key] = fqn
+        mapped[fqn] = key
+    return mapped
+
+
+class HFSavePlanner(DefaultSavePlanner):
+    """Save planner that renames keys to HF names and picks the saved dtype.
+
+    Use it with :class:`HFStorageWriter`. Every rank calls it with its own state dict.
+
+    Args:
+        key_mapping: a dict (listed keys renamed, others kept) or a callable FQN -> HF key,
+            applied to the flattened FQNs. Two FQNs mapping to one key raise ``ValueError``.
+        save_dtype: floating-point tensors are stored in this dtype (e.g. ``torch.bfloat16``);
+            integer and bool tensors keep theirs. The writer casts slab by slab, so no full
+            copy of a tensor is ever made.
+        **kwargs: passed to :class:`DefaultSavePlanner`.
+    """
+
+    def __init__(self, key_mapping: KeyMapping | None = None, save_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _mapper(key_mapping)  # validate the type up front
+        if save_dtype is not None and (not isinstance(save_dtype, torch.dtype) or not save_dtype.is_floating_point):
+            raise ValueError(f"save_dtype={save_dtype!r} must be a floating-point torch.dtype such as torch.bfloat16")
+        self.key_mapping = key_mapping
+        self.save_dtype = save_dtype
+
+    def set_up_planner(
+        self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        # Renaming the flattened state dict keeps lookups (resolve_data) and plans consistent.
+        mapped = _map_keys(list(self.state_dict), self.key_mapping)
+        self.state_dict = {mapped[fqn]: value for fqn, value in self.state_dict.items()}
+        self.mappings = {mapped[fqn]: self.mappings.get(fqn, (fqn,)) for fqn in mapped}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if self.save_dtype is None:
+            return plan
+        items = []
+        for item in plan.items:
+            td = item.tensor_data
+            if td is not None and td.properties.dtype.is_floating_point and td.properties.dtype != self.save_dtype:
+                props = dataclasses.replace(td.properties, dtype=self.save_dtype)
+                item = dataclasses.replace(item, tensor_data=dataclasses.replace(td, properties=props))
+            items.append(item)
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # A collision can also span ranks (fqn A on one rank, fqn B on another, same HF key).
+        origin: dict[str, tuple[Any, ...]] = {}
+        for plan in all_plans:
+            for key, path in (plan.planner_data or {}).items():
+                if origin.setdefault(key, tuple(path)) != tuple(path):
+                    raise ValueError(
+                        f"key_mapping maps both {'.'.join(map(str, origin[key]))!r} and "
+                        f"{'.'.join(map(str, path))!r} (on different ranks) to {key!r}; fix the mapping"
+                    )
+        return super().create_global_plan(all_plans)
+
+
+class HFLoadPlanner(DefaultLoadPlanner):
+    """Load planner that finds each state-dict key under its HF name.
+
+    Give it the same forward mapping as at save time (FQN -> HF key). Data is converted to
+    each destination tensor's dtype. Every rank calls it with its own state dict.
+
+    Raises (wrapped by DCP):
+        KeyError: keys missing from the checkpoint (unless ``allow_partial_load=True``), listed
+            with the HF names looked up.
+        ValueError: a destination whose global shape differs from the stored tensor.
+    """
+
+    def __init__(self, key_mapping: KeyMapping | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _mapper(key_mapping)
+        self.key_mapping = key_mapping
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None, "DCP calls set_up_planner with metadata first"
+        mapped = _map_keys(list(self.state_dict), self.key_mapping)
+        stored = self.metadata.state_dict_metadata
+        missing = {fqn: key for fqn, key in mapped.items() if key not in stored}
+        if missing and not self.allow_partial_load:
+            shown = ", ".join(f"{fqn!r}" + (f" (as {key!r})" if key != fqn else "") for fqn, key in list(missing.items())[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise KeyError(
+                f"checkpoint has no tensor for {shown}{more}; it holds {len(stored)} keys such as "
+                f"{sorted(stored)[:5]}. Fix key_mapping, or pass allow_partial_load=True to skip them"
+            )
+        for fqn, key in mapped.items():
+            md, obj = stored.get(key), self.state_dict[fqn]
+            if md is not None and isinstance(obj, torch.Tensor) and tuple(md.size) != tuple(obj.size()):  # type: ignore[union-attr]
+                raise ValueError(
+                    f"shape mismatch for {fqn!r}: the checkpoint stores {key!r} as {list(md.size)} "  # type: ignore[union-attr]
+                    f"but the destination is {list(obj.size())}; load into a tensor of the stored shape"
+                )
+        # Plan against metadata re-keyed by FQN, then point each read back at the stored HF key.
+        view = dataclasses.replace(
+            self.metadata, state_dict_metadata={fqn: stored[key] for fqn, key in mapped.items() if key in stored}
+        )
+        local = {fqn: v for fqn, v in self.state_dict.items() if mapped[fqn] in stored}
+        plan = create_default_local_load_plan(local, view, True)
+        items = [
+            dataclasses.replace(item, storage_index=dataclasses.replace(item.storage_index, fqn=mapped[item.storage_index.fqn]))
+            for item in plan.items
+        ]
+        return dataclasses.replace(plan, items=items)

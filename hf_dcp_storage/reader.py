@@ -1,0 +1,247 @@
+"""``HFStorageReader``: load HF safetensors checkpoints into any DCP sharding, over fsspec."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from . import _fsio
+from ._header import TensorEntry, decode_header, header_length
+from ._layout import INDEX_NAME, SINGLE_FILE_NAME, chunk_runs, element_size
+from ._slabs import slab_bounds, sub_chunk
+from ._parallel import parallel_map
+
+__all__ = ["HFStorageReader"]
+
+# First ranged read of every file: most headers fit, so one request usually gets the whole header.
+_HEADER_PROBE = 64 << 10
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """``Metadata.storage_data`` value: where one whole tensor's bytes are."""
+
+    file: str
+    start: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class HFStorageReader(StorageReader):
+    """Load a Hugging Face safetensors checkpoint with DCP, resharding onto any layout.
+
+    Reads checkpoints written by :class:`HFStorageWriter` and any HF model folder: an index json
+    plus shards, or a single ``model.safetensors`` (as ``save_pretrained`` writes). Only the
+    header bytes and the byte ranges each rank needs are read.
+
+    Call sequence (DCP drives it): (all ranks) ``read_metadata`` parses the index and every
+    file's header and validates them; (all ranks) ``read_data`` reads each requested region
+    into the destination tensors, converting dtype where the destination differs.
+
+    Args:
+        path: the checkpoint folder, local or any fsspec URL; may be given later as
+            ``dcp.load(..., checkpoint_id=...)``.
+        storage_options: passed to the fsspec filesystem.
+        thread_count: I/O threads per rank.
+
+    Raises (from ``read_metadata``, wrapped by DCP):
+        FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is missing.
+        ValueError: malformed index, a file name escaping the folder, corrupt or truncated files.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 4,
+    ) -> None:
+        super().__init__()
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
+        self.storage_options = storage_options
+        self.thread_count = thread_count
+        self.checkpoint_id: str | os.PathLike[str] | None = None
+        self.storage_data: dict[MetadataIndex, _Stored] = {}
+        if path is not None:
+            self.reset(path)
+
+    # -- DCP protocol -------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+            self.fs, self.root = _fsio.resolve(checkpoint_id, self.storage_options)
+        self.storage_data = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            _fsio.resolve(checkpoint_id, None)
+        except (ValueError, ImportError, TypeError):
+            return False
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """(all ranks) Index plus headers -> DCP metadata: one whole-tensor chunk per key."""
+        if self.checkpoint_id is None:
+            raise ValueError("HFStorageReader has no path: pass HFStorageReader(path) or dcp.load(..., checkpoint_id=path)")
+        weight_map = self._weight_map()
+        files = sorted(set(weight_map.values()))
+        headers = dict(zip(files, parallel_map(self._read_header, files, self.thread_count)))
+        state: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, _Stored] = {}
+        for key, file in weight_map.items():
+            entries, data_start = headers[file]
+            entry = entries.get(key)
+            if entry is None:
+                raise ValueError(f"{self._url(file)}: the index maps {key!r} to this file, but its header has no such tensor")
+            zeros = torch.Size([0] * len(entry.shape))
+            state[key] = TensorStorageMetadata(
+                TensorProperties(dtype=entry.dtype), torch.Size(entry.shape), [ChunkStorageMetadata(zeros, torch.Size(entry.shape))]
+            )
+            storage[MetadataIndex(key, zeros)] = _Stored(file, data_start + entry.begin, entry.dtype, entry.shape)
+        self.storage_data = storage
+        return Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """(all ranks) Read every item of ``plan`` into ``planner``'s tensors, slab by slab."""
+        local = _fsio.is_local(self.fs)
+        fds: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def fd_for(file: str) -> int:
+            with lock:
+                if file not in fds:
+                    fds[file] = os.open(_fsio.join(self.root, file), os.O_RDONLY)
+                return fds[file]
+
+        def read_item(item: ReadItem) -> None:
+            stored = self.storage_data[item.storage_index]
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != tuple(item.lengths):
+                raise ValueError(f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match requested {list(item.lengths)}")
+            itemsize = element_size(stored.dtype)
+            for r0, r1 in slab_bounds(item.lengths, itemsize):
+                offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
+                dest = target[r0:r1] if item.lengths else target
+                # Read straight into the destination when it can take the raw bytes; else a slab buffer.
+                direct = dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu"
+                buf = dest if direct else torch.empty(sizes, dtype=stored.dtype)
+                view = memoryview(buf.reshape(-1).view(torch.uint8).numpy()).cast("B")
+                runs = chunk_runs(stored.shape, offsets, sizes, itemsize)
+                if local:
+                    fd = fd_for(stored.file)
+                    for t, c, n in runs:
+                        _fsio.pread_into(fd, view[c : c + n], stored.start + t, where=self._url(stored.file))
+                else:
+                    self._fetch_runs(stored, list(runs), view)
+                if not direct:
+                    dest.copy_(buf)
+            planner.commit_tensor(item, target)
+
+        try:
+            parallel_map(read_item, plan.items, self.thread_count)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _url(self, name: str) -> str:
+        return _fsio.url_of(self.fs, _fsio.join(self.root, name))
+
+    def _fetch_runs(self, stored: _Stored, runs: list[tuple[int, int, int]], view: memoryview) -> None:
+        path = _fsio.join(self.root, stored.file)
+        starts = [stored.start + t for t, _, _ in runs]
+        ends = [s + n for s, (_, _, n) in zip(starts, runs)]
+        # cat_ranges runs the requests concurrently on async stores (s3fs) and in a loop elsewhere.
+        blobs = self.fs.cat_ranges([path] * len(runs), starts, ends)
+        for (_, c, n), blob in zip(runs, blobs):
+            if isinstance(blob, BaseException):
+                raise blob
+            if len(blob) != n:
+                raise ValueError(f"{self._url(stored.file)}: got {len(blob)} of {n} bytes at {stored.start}; the file is truncated")
+            view[c : c + n] = blob
+
+    def _weight_map(self) -> dict[str, str]:
+        """``key -> file`` from the index json, or from the single ``model.safetensors``."""
+        index_path = _fsio.join(self.root, INDEX_NAME)
+        try:
+            raw = self.fs.cat_file(index_path)
+        except FileNotFoundError:
+            raw = None
+        if raw is None:
+            single = _fsio.join(self.root, SINGLE_FILE_NAME)
+            if not _fsio.exists(self.fs, single):
+                raise FileNotFoundError(
+                    f"{_fsio.url_of(self.fs, self.root)} is not an HF checkpoint: it has neither {INDEX_NAME} "
+                    f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder that holds them"
+                )
+            entries, _ = self._read_header(SINGLE_FILE_NAME)
+            return {key: SINGLE_FILE_NAME for key in entries}
+        return _parse_index(raw, self._url(INDEX_NAME))
+
+    def _read_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int]:
+        path = _fsio.join(self.root, file)
+        where = self._url(file)
+        try:
+            size = self.fs.size(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{where}: file named by the checkpoint index does not exist") from None
+        raw = _fsio.read_range(self.fs, path, 0, min(size, _HEADER_PROBE))
+        n = header_length(raw, file_size=size, where=where)
+        if len(raw) < 8 + n:
+            raw += _fsio.read_range(self.fs, path, len(raw), 8 + n)
+        entries, _, data_start = decode_header(raw, file_size=size, where=where)
+        return {e.name: e for e in entries}, data_start
+
+
+def _parse_index(raw: bytes, where: str) -> dict[str, str]:
+    """Validate an HF index json and return its weight map."""
+    try:
+        index = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"{where}: needs a \"weight_map\" object mapping tensor names to file names")
+    for file in set(weight_map.values()):
+        norm = posixpath.normpath(file)
+        if file.startswith("/") or "\\" in file or norm.startswith("..") or norm != file or ":" in file:
+            raise ValueError(
+                f"{where}: weight_map names file {file!r}, which is not a plain relative path inside the "
+                f"checkpoint folder; only names like 'model-00001-of-00002.safetensors' are accepted"
+            )
+    return weight_map
+

@@ -1,0 +1,349 @@
+"""``HFStorageWriter``: DCP writes straight into consolidated HF safetensors files on any fsspec store."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _fsio
+from ._header import dtype_name
+from ._layout import (
+    INDEX_NAME,
+    SHARD_NAME_RE,
+    SINGLE_FILE_NAME,
+    Layout,
+    Placement,
+    chunk_runs,
+    collect_tensor_specs,
+    element_size,
+    parse_size,
+    place_items,
+    plan_layout,
+)
+from ._parallel import parallel_map
+from ._merge import StagedPiece, merge_file
+from ._slabs import as_bytes, slab_bounds, sub_chunk
+
+__all__ = ["HFStorageWriter", "STAGING_DIR"]
+
+# Per-rank staged files live here until the coordinator merges them; removed after the commit.
+STAGING_DIR = ".hf_dcp_staging"
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """``SavePlan.storage_data`` the coordinator sends each rank: the part of the layout it writes."""
+
+    rank: int
+    direct: bool
+    files: tuple[str, ...]
+    placements: Mapping[MetadataIndex, Placement]
+
+
+@dataclass(frozen=True)
+class _Written:
+    """``WriteResult.storage_data``: the output file, and the item's offset in its staged file."""
+
+    file: int
+    staged_offset: int | None
+
+
+class HFStorageWriter(StorageWriter):
+    """Save a DCP state dict as a consolidated Hugging Face safetensors checkpoint.
+
+    The output is ``model-0000k-of-0000N.safetensors`` files plus ``model.safetensors.index.json``,
+    readable unchanged by ``safetensors`` and ``transformers``. The index is the commit marker:
+    it is written last, by the coordinator, after every byte is durable.
+
+    Call sequence (DCP drives it):
+
+    1. (all ranks) ``prepare_local_plan``: rejects non-tensor values and unsupported dtypes
+       before anything is written.
+    2. (coordinator) ``prepare_global_plan``: computes the complete layout from every rank's
+       write items (file of each key, headers, byte position of every chunk), refuses to replace
+       a complete checkpoint unless ``overwrite=True``, and on local disk creates every file at
+       its final size with its header.
+    3. (all ranks) ``write_data``: each rank writes only its own bytes. On local disk (and NFS)
+       they go straight to their final place with positioned writes, so nothing is left to
+       consolidate. Elsewhere each rank streams one staged object per output file.
+    4. (coordinator) ``finish``: merges staged objects (object stores only), then writes the index.
+
+    Args:
+        path: a local folder or any fsspec URL (``file://``, ``memory://``, ``s3://``...); may be
+            given later as ``dcp.save(..., checkpoint_id=...)``.
+        storage_options: passed to the fsspec filesystem.
+        fqn_to_index_mapping: saved key -> 1-based file index; replaces the size-based split.
+        max_shard_size: most tensor bytes per file (``"5GB"``, ``"512MiB"`` or an int); keys fill
+            files greedily in state-dict order, a larger tensor gets a file of its own.
+        overwrite: replace a complete checkpoint already at ``path``.
+        thread_count: I/O threads per rank.
+        direct_write: positioned writes into the final files; ``None`` picks them wherever the
+            filesystem supports them (local disk). ``False`` forces the staged path.
+
+    Raises:
+        ValueError: a bad option, naming it and the accepted values.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        fqn_to_index_mapping: Mapping[str, int] | None = None,
+        max_shard_size: int | str = "5GB",
+        overwrite: bool = False,
+        thread_count: int = 4,
+        direct_write: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
+        if fqn_to_index_mapping is not None and not isinstance(fqn_to_index_mapping, Mapping):
+            raise ValueError(f"fqn_to_index_mapping must be a dict of key -> 1-based file index, got {type(fqn_to_index_mapping).__name__}")
+        self.max_shard_bytes = parse_size(max_shard_size)
+        self.storage_options = storage_options
+        self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
+        self.overwrite = overwrite
+        self.thread_count = thread_count
+        self.direct_write = direct_write
+        self.checkpoint_id: str | os.PathLike[str] | None = None
+        self.is_coordinator = False
+        if path is not None:
+            self.reset(path)
+
+    # -- DCP protocol -------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save; ``checkpoint_id`` (when given) replaces the path."""
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+            self.fs, self.root = _fsio.resolve(checkpoint_id, self.storage_options)
+            if self.direct_write and not _fsio.is_local(self.fs):
+                raise ValueError(
+                    f"direct_write=True needs positioned writes, which {checkpoint_id!s} does not "
+                    f"support; use direct_write=None (automatic) or False"
+                )
+        self._layout: Layout | None = None
+        self._items: dict[MetadataIndex, WriteItem] = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            _fsio.resolve(checkpoint_id, None)
+        except (ValueError, ImportError, TypeError):
+            return False
+        return True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.checkpoint_id is None:
+            raise ValueError(
+                "HFStorageWriter has no path: pass HFStorageWriter(path) or dcp.save(..., checkpoint_id=path)"
+            )
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """(all ranks) Reject what safetensors cannot hold; record this rank's key order."""
+        not_tensors = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        if not_tensors:
+            raise ValueError(
+                f"safetensors holds only tensors, but these state-dict values are not tensors: "
+                f"{sorted(set(not_tensors))}. Save them separately (e.g. as JSON) or wrap numbers in torch.tensor()."
+            )
+        for item in plan.items:
+            assert item.tensor_data is not None  # every non-BYTE_IO item carries tensor data
+            dtype_name(item.tensor_data.properties.dtype, key=item.index.fqn)
+        order = tuple(dict.fromkeys(item.index.fqn for item in plan.items))
+        return dataclasses.replace(plan, storage_data=order)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Plan the whole layout, then prepare the destination for writing."""
+        # Step 1: pure planning: file of each key, headers, placement of every chunk.
+        specs = collect_tensor_specs(plans, key_order=[p.storage_data or () for p in plans])
+        layout = plan_layout(
+            specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping
+        )
+        placements = place_items(layout, plans)
+        direct = self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
+        # Step 2: I/O on the destination, still before any rank writes data.
+        self._prepare_destination(layout, direct)
+        self._layout = layout
+        self._items = {item.index: item for plan in plans for item in plan.items}
+        names = tuple(f.name for f in layout.files)
+        return [
+            dataclasses.replace(plan, storage_data=_RankPlan(rank, direct, names, placed))
+            for rank, (plan, placed) in enumerate(zip(plans, placements))
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """(all ranks) Write this rank's bytes: in place on local disk, else staged objects."""
+        rank_plan: _RankPlan = plan.storage_data
+        write = self._write_direct if rank_plan.direct else self._write_staged
+        results = write(plan.items, rank_plan, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Merge staged objects if any, then commit by writing the index."""
+        layout = self._layout
+        if layout is None:
+            raise RuntimeError("HFStorageWriter.finish called before prepare_global_plan on the coordinator")
+        staged = [
+            [(r.index, rank, r.storage_data) for r in rank_results if r.storage_data.staged_offset is not None]
+            for rank, rank_results in enumerate(results)
+        ]
+        if any(staged):
+            self._merge(layout, [x for per_rank in staged for x in per_rank])
+            _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
+        elif _fsio.is_local(self.fs):
+            _fsio.fsync_dir(self.root)
+        index = {"metadata": {"total_size": layout.total_size}, "weight_map": dict(sorted(layout.weight_map.items()))}
+        _fsio.write_atomic(self.fs, _fsio.join(self.root, INDEX_NAME), _json_bytes(index))
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _prepare_destination(self, layout: Layout, direct: bool) -> None:
+        """Refuse or un-commit an existing checkpoint, clear leftovers, and pre-create files."""
+        fs, root = self.fs, self.root
+        fs.makedirs(root, exist_ok=True)
+        committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if _fsio.exists(fs, _fsio.join(root, n))]
+        if committed and not self.overwrite:
+            raise FileExistsError(
+                f"{_fsio.url_of(fs, root)} already holds a complete checkpoint ({', '.join(committed)}); "
+                f"pass HFStorageWriter(..., overwrite=True) to replace it, or save to a new path"
+            )
+        # The index goes first: from here on the folder is an incomplete checkpoint, never a
+        # complete one whose files are being rewritten underneath it.
+        for name in committed:
+            _fsio.remove(fs, _fsio.join(root, name))
+        _fsio.remove_tree(fs, _fsio.join(root, STAGING_DIR))
+        keep = {f.name for f in layout.files}
+        for name in _fsio.list_names(fs, root):
+            if SHARD_NAME_RE.match(name) and name not in keep:
+                _fsio.remove(fs, _fsio.join(root, name))
+        if direct:
+            for f in layout.files:
+                _create_with_header(_fsio.join(root, f.name), f.header, f.size)
+        else:
+            fs.makedirs(_fsio.join(root, STAGING_DIR), exist_ok=True)
+
+    def _write_direct(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
+        fds: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def fd_for(file: int) -> int:
+            with lock:
+                if file not in fds:
+                    fds[file] = _fsio.open_rw(_fsio.join(self.root, rank_plan.files[file]), create=False)
+                return fds[file]
+
+        def write_item(item: WriteItem) -> WriteResult:
+            place = rank_plan.placements[item.index]
+            fd = fd_for(place.file)
+            nbytes = 0
+            for runs, data in _item_slabs(item, planner):
+                for tensor_off, chunk_off, n in runs:
+                    _fsio.pwrite_all(fd, data[chunk_off : chunk_off + n], place.tensor_start + tensor_off)
+                nbytes += len(data)
+            return WriteResult(item.index, nbytes, _Written(place.file, None))
+
+        try:
+            results = parallel_map(write_item, items, self.thread_count)
+            # Durable before we report success: the coordinator commits on our word.
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return results
+
+    def _write_staged(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
+        by_file: dict[int, list[WriteItem]] = {}
+        for item in items:
+            by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
+
+        def write_file(file: int) -> list[WriteResult]:
+            path = _fsio.join(self.root, STAGING_DIR, f"{rank_plan.files[file]}.rank{rank_plan.rank:05d}")
+            file_items = sorted(by_file[file], key=lambda it: (rank_plan.placements[it.index].tensor_start, tuple(it.tensor_data.chunk.offsets)))  # type: ignore[union-attr]
+            results, pos = [], 0
+            with self.fs.open(path, "wb") as out:
+                for item in file_items:
+                    start = pos
+                    for _, data in _item_slabs(item, planner):
+                        out.write(data)
+                        pos += len(data)
+                    results.append(WriteResult(item.index, pos - start, _Written(file, start)))
+                if _fsio.is_local(self.fs):
+                    out.flush()
+                    os.fsync(out.fileno())
+            return results
+
+        return [r for rs in parallel_map(write_file, sorted(by_file), self.thread_count) for r in rs]
+
+    def _merge(self, layout: Layout, staged: list[tuple[MetadataIndex, int, _Written]]) -> None:
+        pieces: dict[int, list[StagedPiece]] = {}
+        for index, rank, written in staged:
+            item = self._items[index]
+            td = item.tensor_data
+            assert td is not None and written.staged_offset is not None
+            path = _fsio.join(self.root, STAGING_DIR, f"{layout.files[written.file].name}.rank{rank:05d}")
+            pieces.setdefault(written.file, []).append(
+                StagedPiece(
+                    path=path,
+                    tensor_start=layout.tensor_start[index.fqn],
+                    staged_offset=written.staged_offset,
+                    shape=tuple(td.size),
+                    offsets=tuple(td.chunk.offsets),
+                    sizes=tuple(td.chunk.sizes),
+                    itemsize=element_size(td.properties.dtype),
+                )
+            )
+
+        def merge_one(file: int) -> None:
+            plan = layout.files[file]
+            merge_file(self.fs, _fsio.join(self.root, plan.name), plan.header, plan.size, pieces.get(file, []))
+
+        parallel_map(merge_one, range(len(layout.files)), self.thread_count)
+
+
+def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
+    """``(runs, bytes)`` per slab of a write item, cast to the planned dtype (bounded memory)."""
+    td = item.tensor_data
+    assert td is not None
+    tensor = planner.resolve_data(item)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"planner resolved {item.index.fqn!r} to {type(tensor).__name__}, expected a tensor")
+    sizes = tuple(td.chunk.sizes)
+    if tuple(tensor.shape) != sizes:
+        raise RuntimeError(f"{item.index.fqn!r}: planned chunk {list(sizes)} but the data has shape {list(tensor.shape)}")
+    dtype = td.properties.dtype
+    itemsize = element_size(dtype)
+    for r0, r1 in slab_bounds(sizes, max(itemsize, tensor.element_size())):
+        sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
+        part = tensor[r0:r1] if sizes else tensor
+        yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+
+
+def _create_with_header(path: str, header: bytes, size: int) -> None:
+    """Create (or reuse) a file at exactly ``size`` bytes with ``header`` at its start, durably."""
+    fd = _fsio.open_rw(path, create=True)
+    try:
+        os.ftruncate(fd, size)
+        _fsio.pwrite_all(fd, memoryview(header), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _json_bytes(obj: object) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
