@@ -99,8 +99,12 @@ class HFStorageReader(StorageReader):
             return False
         return True
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """(all ranks) Index plus headers -> DCP metadata: one whole-tensor chunk per key."""
+    def read_metadata(self) -> Metadata:  # type: ignore[override]
+        """(all ranks) Index plus headers -> DCP metadata: one whole-tensor chunk per key.
+
+        Takes no ``rank`` keyword on purpose: DCP then does not retry with rank-local
+        metadata (which HF checkpoints do not have) and reports our error as it is.
+        """
         if self.checkpoint_id is None:
             raise ValueError("HFStorageReader has no path: pass HFStorageReader(path) or dcp.load(..., checkpoint_id=path)")
         weight_map = self._weight_map()
