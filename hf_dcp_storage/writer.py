@@ -134,6 +134,7 @@ class HFStorageWriter(StorageWriter):
                     f"support; use direct_write=None (automatic) or False"
                 )
         self._layout: Layout | None = None
+        self._direct = False
         self._items: dict[MetadataIndex, WriteItem] = {}
 
     @classmethod
@@ -177,6 +178,7 @@ class HFStorageWriter(StorageWriter):
         # Step 2: I/O on the destination, still before any rank writes data.
         self._prepare_destination(layout, direct)
         self._layout = layout
+        self._direct = direct
         self._items = {item.index: item for plan in plans for item in plan.items}
         names = tuple(f.name for f in layout.files)
         return [
@@ -198,15 +200,12 @@ class HFStorageWriter(StorageWriter):
         layout = self._layout
         if layout is None:
             raise RuntimeError("HFStorageWriter.finish called before prepare_global_plan on the coordinator")
-        staged = [
-            [(r.index, rank, r.storage_data) for r in rank_results if r.storage_data.staged_offset is not None]
-            for rank, rank_results in enumerate(results)
-        ]
-        if any(staged):
-            self._merge(layout, [x for per_rank in staged for x in per_rank])
+        if self._direct:
+            if _fsio.is_local(self.fs):
+                _fsio.fsync_dir(self.root)
+        else:
+            self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs])
             _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
-        elif _fsio.is_local(self.fs):
-            _fsio.fsync_dir(self.root)
         index = {"metadata": {"total_size": layout.total_size}, "weight_map": dict(sorted(layout.weight_map.items()))}
         _fsio.write_atomic(self.fs, _fsio.join(self.root, INDEX_NAME), _json_bytes(index))
 

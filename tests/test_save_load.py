@@ -197,3 +197,11 @@ def test_failed_save_leaves_no_index_and_keeps_old_checkpoint(tmp_path, direct_w
     dcp.save(sd, storage_writer=HFStorageWriter(url, direct_write=direct_write))
     assert sorted(os.listdir(url)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     assert all(torch.equal(load_file(f"{url}/model-00001-of-00001.safetensors")[k], v) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("direct_write", [None, False], ids=["auto", "staged"])
+def test_empty_state_dict_still_commits_a_readable_checkpoint(tmp_path, direct_write: bool | None) -> None:
+    url = str(tmp_path / "ck")
+    dcp.save({}, storage_writer=HFStorageWriter(url, direct_write=direct_write))
+    assert sorted(os.listdir(url)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert load_file(f"{url}/model-00001-of-00001.safetensors") == {}
