@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -108,10 +109,10 @@ def build_model(world: int, seed: int) -> nn.Module:
 
 
 def synthetic_batch(seed: int) -> torch.Tensor:
-    """Arithmetic token sequences (random start and stride), so next-token loss can fall."""
+    """Arithmetic token sequences (random start, stride 1 or 2), so next-token loss falls quickly."""
     gen = torch.Generator().manual_seed(seed)
     start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
-    stride = torch.randint(1, 8, (BATCH, 1), generator=gen)
+    stride = torch.randint(1, 3, (BATCH, 1), generator=gen)
     return (start + stride * torch.arange(SEQ + 1)) % VOCAB
 
 
@@ -227,6 +228,8 @@ def worker(rank: int, job: Job) -> None:
         if rank == 0:
             job.result_path.write_text(json.dumps(result))
         dist.barrier()
+    except CheckpointException as exc:  # a BaseException, which torch's spawn would not forward
+        raise RuntimeError(f"rank {rank}: {exc}") from None
     finally:
         dist.destroy_process_group()
 
@@ -286,7 +289,8 @@ def resolve_out_dir(args: argparse.Namespace) -> tuple[Path, bool]:
         sys.exit(f"error: --out {out_dir} exists and is not a folder")
     found = existing_checkpoint(out_dir) if out_dir.exists() else []
     if found and not args.overwrite:
-        sys.exit(f"error: {out_dir} already holds a checkpoint ({', '.join(found)}); "
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        sys.exit(f"error: {out_dir} already holds a checkpoint ({shown}); "
                  f"pass --overwrite to replace it, or choose another --out")
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             problems = run_demo(args, out_dir, work_dir)
         except Exception as exc:  # a rank failed: mp.spawn re-raises with its traceback
             print(exc, file=sys.stderr)
-            problems = [f"{type(exc).__name__} (see the traceback above)"]
+            problems = [f"{type(exc).__name__}: a rank failed (its traceback is on stderr)"]
     elapsed = time.perf_counter() - start
     if problems:
         print("\n".join(f"  problem: {p}" for p in problems))
