@@ -6,7 +6,8 @@ spawns ``world_size`` processes (start method ``spawn``); each joins a gloo proc
 rendezvous is a fresh ``file://`` in a temporary folder (no TCP ports), calls
 ``fn(rank, world_size, *args)`` and destroys the group. ``fn`` must be a module-level function
 (spawned children import it by name). A failure on any rank fails the caller with that rank's
-traceback; the other ranks are terminated instead of being left waiting in a collective.
+traceback; the other ranks are terminated instead of being left waiting in a collective, and
+a run that hangs is killed after ``RUN_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +28,8 @@ __all__ = ["run_ranks", "RankFailed"]
 
 # A rank stuck in a collective (its peer died or diverged) fails after this instead of hanging.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=180)
+# The whole run (all ranks) is killed after this: catches hangs outside collectives too.
+RUN_TIMEOUT_S = 300.0
 
 
 class RankFailed(RuntimeError):
@@ -38,15 +42,27 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     with tempfile.TemporaryDirectory(prefix="hf_dcp_rdzv_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        # join=True: waits for all ranks; on the first failure it terminates the others and
-        # raises ProcessRaisedException carrying that rank's traceback.
-        mp.spawn(
+        ctx = mp.start_processes(
             _child,
             args=(world_size, init_file, fn, args),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        # join() returns when a rank exits (or at the timeout); on the first failure it
+        # terminates the other ranks and raises ProcessRaisedException with that rank's traceback.
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                alive = [p for p in ctx.processes if p.is_alive()]
+                for p in alive:
+                    p.kill()
+                for p in alive:
+                    p.join()
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} ranks did not finish within {RUN_TIMEOUT_S}s; "
+                    f"killed ranks {[ctx.processes.index(p) for p in alive]}"
+                )
 
 
 def _child(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -68,7 +84,7 @@ def _child(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], a
             dist.destroy_process_group()
     except KeyboardInterrupt:
         raise
-    except BaseException as exc:  # noqa: BLE001 - CheckpointException derives from BaseException
+    except BaseException:  # noqa: BLE001 - CheckpointException derives from BaseException
         # mp.spawn forwards only Exception subclasses with their traceback; a BaseException
         # (such as DCP's CheckpointException) would only show up as "exit code 1". Re-raise
         # everything as an Exception whose message holds the complete text, including the

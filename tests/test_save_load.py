@@ -205,3 +205,17 @@ def test_empty_state_dict_still_commits_a_readable_checkpoint(tmp_path, direct_w
     dcp.save({}, storage_writer=HFStorageWriter(url, direct_write=direct_write))
     assert sorted(os.listdir(url)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     assert load_file(f"{url}/model-00001-of-00001.safetensors") == {}
+
+
+@pytest.mark.parametrize("direct_write", [None, False], ids=["direct", "staged"])
+def test_tensors_larger_than_one_slab(tmp_path, direct_write: bool | None) -> None:
+    """Over 16 MiB per tensor: written and read in several slabs, with casts on both sides."""
+    url = str(tmp_path / "ck")
+    big = torch.randn(2100, 2100)  # 17.6 MB
+    col = torch.randn(4100, 1100).T  # non-contiguous, 18 MB
+    dcp.save({"big": big, "col": col}, storage_writer=HFStorageWriter(url, direct_write=direct_write), planner=HFSavePlanner(save_dtype=torch.float16))
+    on_disk = load_file(f"{url}/model-00001-of-00001.safetensors")
+    assert torch.equal(on_disk["big"], big.half()) and torch.equal(on_disk["col"], col.half())
+    out = {"big": torch.zeros(2100, 2100, dtype=torch.float64), "col": torch.zeros(1100, 4100, dtype=torch.float16)}
+    dcp.load(out, storage_reader=HFStorageReader(url))
+    assert torch.equal(out["big"], big.half().double()) and torch.equal(out["col"], col.half())
