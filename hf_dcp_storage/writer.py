@@ -251,8 +251,13 @@ class HFStorageWriter(StorageWriter):
             fd = fd_for(place.file)
             nbytes = 0
             for runs, data in _item_slabs(item, planner):
+                first = last = None
                 for tensor_off, chunk_off, n in runs:
                     _fsio.pwrite_all(fd, data[chunk_off : chunk_off + n], place.tensor_start + tensor_off)
+                    first = tensor_off if first is None else first
+                    last = tensor_off + n
+                if first is not None:
+                    _fsio.start_writeback(fd, place.tensor_start + first, last - first)
                 nbytes += len(data)
             return WriteResult(item.index, nbytes, _Written(place.file, None))
 
