@@ -12,6 +12,7 @@ import heapq
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from fsspec import AbstractFileSystem
 
@@ -70,31 +71,48 @@ def merge_file(
     Raises:
         RuntimeError: the staged runs leave a hole or overlap (an inconsistent save).
     """
-    readers = {}
+    readers: dict[str, Any] = {}
     try:
-        with fs.open(out_path, "wb") as out:
-            out.write(header)
-            pos = len(header)
-            for off, path, soff, n in merge_segments(pieces):
-                if off != pos:
-                    raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
-                src = readers.get(path)
-                if src is None:
-                    src = readers[path] = fs.open(path, "rb", block_size=COPY_BYTES)
-                src.seek(soff)
-                left = n
-                while left:
-                    data = src.read(min(left, COPY_BYTES))
-                    if not data:
-                        raise RuntimeError(f"{path}: staged object ends early at byte {soff + n - left}")
-                    out.write(data)
-                    left -= len(data)
-                pos += n
-            if pos != size:
-                raise RuntimeError(f"{out_path}: merged {pos} bytes but the layout has {size}")
-            if _fsio.is_local(fs):
-                out.flush()
-                os.fsync(out.fileno())
+        _copy_runs(fs, out_path, header, size, pieces, readers)
+    except BaseException:
+        # The stream still publishes what it got when closed by the error; remove that
+        # truncated file so no complete-looking shard is left behind.
+        _fsio.remove(fs, out_path)
+        raise
     finally:
         for r in readers.values():
             r.close()
+
+
+def _copy_runs(
+    fs: AbstractFileSystem,
+    out_path: str,
+    header: bytes,
+    size: int,
+    pieces: Iterable[StagedPiece],
+    readers: dict[str, Any],
+) -> None:
+    """The merge itself; ``readers`` caches one open staged object per path (closed by the caller)."""
+    with fs.open(out_path, "wb") as out:
+        out.write(header)
+        pos = len(header)
+        for off, path, soff, n in merge_segments(pieces):
+            if off != pos:
+                raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
+            src = readers.get(path)
+            if src is None:
+                src = readers[path] = fs.open(path, "rb", block_size=COPY_BYTES)
+            src.seek(soff)
+            left = n
+            while left:
+                data = src.read(min(left, COPY_BYTES))
+                if not data:
+                    raise RuntimeError(f"{path}: staged object ends early at byte {soff + n - left}")
+                out.write(data)
+                left -= len(data)
+            pos += n
+        if pos != size:
+            raise RuntimeError(f"{out_path}: merged {pos} bytes but the layout has {size}")
+        if _fsio.is_local(fs):
+            out.flush()
+            os.fsync(out.fileno())

@@ -214,7 +214,10 @@ class HFStorageWriter(StorageWriter):
     def _prepare_destination(self, layout: Layout, direct: bool) -> None:
         """Refuse or un-commit an existing checkpoint, clear leftovers, and pre-create files."""
         fs, root = self.fs, self.root
-        fs.makedirs(root, exist_ok=True)
+        local = _fsio.is_local(fs)
+        if local:
+            # Object stores have no folders, and s3fs's makedirs would create a missing bucket.
+            fs.makedirs(root, exist_ok=True)
         committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if _fsio.exists(fs, _fsio.join(root, n))]
         if committed and not self.overwrite:
             raise FileExistsError(
@@ -233,7 +236,7 @@ class HFStorageWriter(StorageWriter):
         if direct:
             for f in layout.files:
                 _create_with_header(_fsio.join(root, f.name), f.header, f.size)
-        else:
+        elif local:
             fs.makedirs(_fsio.join(root, STAGING_DIR), exist_ok=True)
 
     def _write_direct(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:

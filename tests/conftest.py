@@ -21,3 +21,90 @@ def url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
         root = f"/{uuid.uuid4().hex}"
         yield f"memory://{root}/ckpt"
         fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+# -- S3 (moto server on loopback) ------------------------------------------------------------------
+
+# s3fs buffers this much before it starts a multipart upload, and uploads parts at least this
+# big; 5 MiB is the smallest part S3 (and moto) accept, so a tensor over 5 MiB makes a real
+# multipart upload without the test moving 50 MiB (s3fs' default block size).
+S3_BLOCK_SIZE = 5 * 2**20
+
+# Fake credentials and a sealed AWS environment: nothing from the developer's machine (profiles,
+# real keys, a configured endpoint, a proxy, the EC2 metadata service) can reach the tests.
+_FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": "/nonexistent/hf_dcp_storage_tests/aws_config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/hf_dcp_storage_tests/aws_credentials",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "NO_PROXY": "127.0.0.1,localhost",
+    "no_proxy": "127.0.0.1,localhost",
+}
+_UNSET_AWS_ENV = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION")
+
+
+def s3_storage_options(endpoint: str) -> dict:
+    """fsspec ``storage_options`` for the moto endpoint: fake keys, fresh instance, no listings cache.
+
+    ``skip_instance_cache``: fsspec would otherwise hand every test (and the writer and reader of
+    one test) the same ``S3FileSystem`` object; ``use_listings_cache=False``: a listing never
+    comes from s3fs' directory cache, so no test sees a stale one. No ``region_name`` in
+    ``client_kwargs``: with it, moto refuses the bucket creation.
+    """
+    return {
+        "anon": False,
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint},
+        "default_block_size": S3_BLOCK_SIZE,
+        "skip_instance_cache": True,
+        "use_listings_cache": False,
+    }
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of a moto S3 server running in a thread of this process.
+
+    Port 0 lets the OS pick a free port; the server reports the one it bound. Spawned ranks
+    reach it over loopback (they inherit the fake AWS environment set here).
+    """
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import logging
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in _FAKE_AWS_ENV.items():
+            mp.setenv(name, value)
+        for name in _UNSET_AWS_ENV:
+            mp.delenv(name, raising=False)
+        werkzeug_log = logging.getLogger("werkzeug")
+        old_level = werkzeug_log.level
+        werkzeug_log.setLevel(logging.WARNING)  # it logs every request at INFO
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+            werkzeug_log.setLevel(old_level)
+
+
+@pytest.fixture
+def s3(s3_endpoint: str) -> Iterator[tuple[str, dict]]:
+    """``("s3://<fresh bucket>", storage_options)``: an empty bucket of its own per test."""
+    import s3fs
+
+    options = s3_storage_options(s3_endpoint)
+    bucket = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir(bucket)
+    try:
+        yield f"s3://{bucket}", options
+    finally:
+        # Frees moto's memory; also drops whatever a test left in fsspec's instance cache.
+        fs.rm(bucket, recursive=True)
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -54,4 +54,5 @@ def test_merge_file_refuses_holes() -> None:
         fs.pipe_file(path, blob)
     with pytest.raises(RuntimeError, match=r"staged data jumps from byte 10 to 12; the save is inconsistent"):
         merge_file(fs, f"{root}/out", b"HEADER!!", 8 + len(data), pieces[:1])
+    assert not fs.exists(f"{root}/out"), "a failed merge must not leave a truncated shard"
     fs.rm(root, recursive=True)
