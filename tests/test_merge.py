@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 import fsspec
 import pytest
@@ -35,24 +36,26 @@ def test_adjacent_runs_from_one_staged_object_are_coalesced() -> None:
     assert list(merge_segments(pieces)) == [(100, "/s", 0, 24)]
 
 
-def test_merge_file_writes_header_then_data_in_place() -> None:
+@pytest.fixture
+def staged_columns() -> Iterator[tuple[fsspec.AbstractFileSystem, str, list[StagedPiece], bytes]]:
+    """Two ranks' column halves staged in a fresh ``memory://`` folder."""
     fs = fsspec.filesystem("memory")
     root = f"/{uuid.uuid4().hex}"
     pieces, data, staged = _column_pieces(root)
     for path, blob in staged.items():
         fs.pipe_file(path, blob)
-    merge_file(fs, f"{root}/out", b"HEADER!!", 8 + len(data), pieces)
-    assert fs.cat_file(f"{root}/out") == b"HEADER!!" + data
+    yield fs, root, pieces, data
     fs.rm(root, recursive=True)
 
 
-def test_merge_file_refuses_holes() -> None:
-    fs = fsspec.filesystem("memory")
-    root = f"/{uuid.uuid4().hex}"
-    pieces, data, staged = _column_pieces(root)
-    for path, blob in staged.items():
-        fs.pipe_file(path, blob)
+def test_merge_file_writes_header_then_data_in_place(staged_columns) -> None:
+    fs, root, pieces, data = staged_columns
+    merge_file(fs, f"{root}/out", b"HEADER!!", 8 + len(data), pieces)
+    assert fs.cat_file(f"{root}/out") == b"HEADER!!" + data
+
+
+def test_merge_file_refuses_holes(staged_columns) -> None:
+    fs, root, pieces, data = staged_columns
     with pytest.raises(RuntimeError, match=r"staged data jumps from byte 10 to 12; the save is inconsistent"):
         merge_file(fs, f"{root}/out", b"HEADER!!", 8 + len(data), pieces[:1])
     assert not fs.exists(f"{root}/out"), "a failed merge must not leave a truncated shard"
-    fs.rm(root, recursive=True)
