@@ -26,6 +26,7 @@ __all__ = [
     "remove",
     "remove_tree",
     "write_atomic",
+    "open_stream",
     "open_rw",
     "pwrite_all",
     "pread_into",
@@ -101,6 +102,25 @@ def write_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(posixpath.dirname(path))
+
+
+# Upload part size for streamed writes: small enough that a few open streams per rank stay well
+# inside the memory budget (s3fs would buffer 50 MiB per stream by default), large enough to
+# be efficient; grown for huge objects so they stay under S3's 10,000-part limit.
+STREAM_PART_BYTES = 8 << 20
+_MAX_PARTS = 9_000
+
+
+def open_stream(fs: AbstractFileSystem, path: str, size_hint: int) -> Any:
+    """A write stream for ``path`` that buffers at most one upload part.
+
+    The part is ``STREAM_PART_BYTES`` or the filesystem's own ``default_block_size`` if the
+    user set a smaller one (s3fs takes it from ``storage_options``), grown only as far as a
+    ``size_hint``-byte object needs to fit in the part-count limit.
+    """
+    configured = getattr(fs, "default_block_size", None) or STREAM_PART_BYTES
+    part = max(min(configured, STREAM_PART_BYTES), -(-size_hint // _MAX_PARTS))
+    return fs.open(path, "wb", block_size=part)
 
 
 def open_rw(path: str, *, create: bool) -> int:

@@ -93,7 +93,7 @@ def _copy_runs(
     readers: dict[str, Any],
 ) -> None:
     """The merge itself; ``readers`` caches one open staged object per path (closed by the caller)."""
-    with fs.open(out_path, "wb") as out:
+    with _fsio.open_stream(fs, out_path, size) as out:
         out.write(header)
         pos = len(header)
         for off, path, soff, n in merge_segments(pieces):

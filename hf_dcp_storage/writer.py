@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 from collections.abc import Iterable, Mapping
@@ -283,7 +284,8 @@ class HFStorageWriter(StorageWriter):
             path = _fsio.join(self.root, STAGING_DIR, f"{rank_plan.files[file]}.rank{rank_plan.rank:05d}")
             file_items = sorted(by_file[file], key=lambda it: (rank_plan.placements[it.index].tensor_start, tuple(it.tensor_data.chunk.offsets)))  # type: ignore[union-attr]
             results, pos = [], 0
-            with self.fs.open(path, "wb") as out:
+            size = sum(_chunk_bytes(it) for it in file_items)
+            with _fsio.open_stream(self.fs, path, size) as out:
                 for item in file_items:
                     start = pos
                     for _, data in _item_slabs(item, planner):
@@ -339,6 +341,12 @@ def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterabl
         sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
         part = tensor[r0:r1] if sizes else tensor
         yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+
+
+def _chunk_bytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None
+    return math.prod(td.chunk.sizes) * element_size(td.properties.dtype)
 
 
 def _create_with_header(path: str, header: bytes, size: int) -> None:

@@ -349,3 +349,19 @@ def test_two_ranks_save_dtensors_to_s3_and_load_resharded(s3, s3_endpoint, tmp_p
     out = _zeros_like(expected)
     dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options))
     _assert_equal_dicts(out, expected, "1-process load of the 2-rank checkpoint")
+
+
+def test_stream_part_size_bounds_upload_buffers(s3) -> None:
+    """Each open upload stream buffers one part: 8 MiB by default (s3fs would use 50 MiB), the
+    user's smaller block size if set, and larger only when the part-count limit needs it."""
+    from hf_dcp_storage import _fsio
+
+    bucket, options = s3
+    default_fs = s3fs.S3FileSystem(**{k: v for k, v in options.items() if k != "default_block_size"})
+    assert default_fs.default_block_size == 50 * 2**20
+    cases = [(default_fs, 10, 8 * 2**20), (default_fs, 100 * 10**9, -(-100 * 10**9 // 9000)), (_fs(options), 10, 5 * 2**20)]
+    for fs, hint, expected in cases:
+        f = _fsio.open_stream(fs, f"{bucket}/probe", hint)
+        assert f.blocksize == expected, (hint, f.blocksize)
+        f.close()
+    _fs(options).rm_file(f"{bucket}/probe")
