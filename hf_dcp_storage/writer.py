@@ -281,8 +281,9 @@ class HFStorageWriter(StorageWriter):
             by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
 
         def write_file(file: int) -> list[WriteResult]:
-            path = _fsio.join(self.root, STAGING_DIR, f"{rank_plan.files[file]}.rank{rank_plan.rank:05d}")
-            file_items = sorted(by_file[file], key=lambda it: (rank_plan.placements[it.index].tensor_start, tuple(it.tensor_data.chunk.offsets)))  # type: ignore[union-attr]
+            path = self._staged_path(rank_plan.files[file], rank_plan.rank)
+            # Output order, so the merge reads each staged object front to back.
+            file_items = sorted(by_file[file], key=lambda it: (rank_plan.placements[it.index].tensor_start, _chunk_offsets(it)))
             results, pos = [], 0
             size = sum(_chunk_bytes(it) for it in file_items)
             with _fsio.open_stream(self.fs, path, size) as out:
@@ -299,13 +300,17 @@ class HFStorageWriter(StorageWriter):
 
         return [r for rs in parallel_map(write_file, sorted(by_file), self.thread_count) for r in rs]
 
+    def _staged_path(self, file_name: str, rank: int) -> str:
+        """Where ``rank`` stages its bytes of output file ``file_name``."""
+        return _fsio.join(self.root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
+
     def _merge(self, layout: Layout, staged: list[tuple[MetadataIndex, int, _Written]]) -> None:
         pieces: dict[int, list[StagedPiece]] = {}
         for index, rank, written in staged:
             item = self._items[index]
             td = item.tensor_data
             assert td is not None and written.staged_offset is not None
-            path = _fsio.join(self.root, STAGING_DIR, f"{layout.files[written.file].name}.rank{rank:05d}")
+            path = self._staged_path(layout.files[written.file].name, rank)
             pieces.setdefault(written.file, []).append(
                 StagedPiece(
                     path=path,
@@ -341,6 +346,11 @@ def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterabl
         sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
         part = tensor[r0:r1] if sizes else tensor
         yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+
+
+def _chunk_offsets(item: WriteItem) -> tuple[int, ...]:
+    assert item.tensor_data is not None
+    return tuple(item.tensor_data.chunk.offsets)
 
 
 def _chunk_bytes(item: WriteItem) -> int:
