@@ -7,12 +7,15 @@ file descriptors; everything else goes through fsspec streams and ranged reads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.spec import AbstractBufferedFile
 from fsspec.implementations.local import LocalFileSystem
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "remove_tree",
     "write_atomic",
     "open_stream",
+    "write_stream",
     "open_rw",
     "pwrite_all",
     "pread_into",
@@ -121,6 +125,28 @@ def open_stream(fs: AbstractFileSystem, path: str, size_hint: int) -> Any:
     configured = getattr(fs, "default_block_size", None) or STREAM_PART_BYTES
     part = max(min(configured, STREAM_PART_BYTES), -(-size_hint // _MAX_PARTS))
     return fs.open(path, "wb", block_size=part)
+
+
+@contextlib.contextmanager
+def write_stream(fs: AbstractFileSystem, path: str, size_hint: int) -> Iterator[Any]:
+    """``open_stream`` that publishes ``path`` only if the block exits cleanly.
+
+    On an error the stream is abandoned instead of closed: a buffered upload (s3fs) aborts its
+    multipart upload and commits nothing, so no orphaned parts are left on the server; other
+    files are closed and removed.
+    """
+    out = open_stream(fs, path, size_hint)
+    try:
+        yield out
+    except BaseException:
+        if isinstance(out, AbstractBufferedFile):
+            out.discard()  # s3fs: AbortMultipartUpload
+            out.closed = True  # never flush or commit what was buffered
+        else:
+            out.close()
+        remove(fs, path)
+        raise
+    out.close()
 
 
 def open_rw(path: str, *, create: bool) -> int:

@@ -74,11 +74,6 @@ def merge_file(
     readers: dict[str, Any] = {}
     try:
         _copy_runs(fs, out_path, header, size, pieces, readers)
-    except BaseException:
-        # The stream still publishes what it got when closed by the error; remove that
-        # truncated file so no complete-looking shard is left behind.
-        _fsio.remove(fs, out_path)
-        raise
     finally:
         for r in readers.values():
             r.close()
@@ -93,7 +88,8 @@ def _copy_runs(
     readers: dict[str, Any],
 ) -> None:
     """The merge itself; ``readers`` caches one open staged object per path (closed by the caller)."""
-    with _fsio.open_stream(fs, out_path, size) as out:
+    # write_stream publishes nothing if the merge fails: no truncated shard is left behind.
+    with _fsio.write_stream(fs, out_path, size) as out:
         out.write(header)
         pos = len(header)
         for off, path, soff, n in merge_segments(pieces):

@@ -286,7 +286,7 @@ class HFStorageWriter(StorageWriter):
             file_items = sorted(by_file[file], key=lambda it: (rank_plan.placements[it.index].tensor_start, _chunk_offsets(it)))
             results, pos = [], 0
             size = sum(_chunk_bytes(it) for it in file_items)
-            with _fsio.open_stream(self.fs, path, size) as out:
+            with _fsio.write_stream(self.fs, path, size) as out:
                 for item in file_items:
                     start = pos
                     for _, data in _item_slabs(item, planner):

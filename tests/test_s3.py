@@ -189,6 +189,19 @@ def test_failed_save_leaves_no_index_and_a_later_save_cleans_up(s3) -> None:
     _assert_equal_dicts(tensors, sd, "after the good save")
 
 
+def test_failed_save_aborts_its_multipart_upload(s3) -> None:
+    """A stream that fails after uploading a 5 MiB part aborts the upload: no orphaned parts and no
+    partial staged object on the server."""
+    bucket, options = s3
+    url = f"{bucket}/run/step_1"
+    sd = {"big": torch.randn(1600, 1024), "boom": torch.randn(8)}  # one file: big's 6.25 MiB, then boom
+    with raises_in_checkpoint(OSError, "disk on fire"):
+        dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, thread_count=1), planner=_FailingPlanner())
+    fs = _fs(options)
+    assert fs.list_multipart_uploads(bucket.removeprefix("s3://")) == []
+    assert _objects(url, options) == {}
+
+
 def test_existing_checkpoint_is_refused_then_replaced_with_overwrite(s3) -> None:
     bucket, options = s3
     url = f"{bucket}/run/step_1"
