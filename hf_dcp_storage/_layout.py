@@ -160,12 +160,12 @@ def chunk_runs(
     for d in range(ndim - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
     run = sizes[k] * strides[k] * itemsize
-    base = sum(o * s for o, s in zip(offsets, strides)) * itemsize
+    base = sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
     outer = [range(n) for n in sizes[:k]]
     outer_strides = [s * itemsize for s in strides[:k]]
     chunk_pos = 0
     for idx in _product(outer):
-        yield base + sum(i * s for i, s in zip(idx, outer_strides)), chunk_pos, run
+        yield base + sum(i * s for i, s in zip(idx, outer_strides, strict=True)), chunk_pos, run
         chunk_pos += run
 
 

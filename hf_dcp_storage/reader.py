@@ -6,7 +6,7 @@ import json
 import os
 import posixpath
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +109,7 @@ class HFStorageReader(StorageReader):
             raise ValueError("HFStorageReader has no path: pass HFStorageReader(path) or dcp.load(..., checkpoint_id=path)")
         weight_map = self._weight_map()
         files = sorted(set(weight_map.values()))
-        headers = dict(zip(files, parallel_map(self._read_header, files, self.thread_count)))
+        headers = dict(zip(files, parallel_map(self._read_header, files, self.thread_count), strict=True))
         state: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, _Stored] = {}
         for key, file in weight_map.items():
@@ -147,32 +147,16 @@ class HFStorageReader(StorageReader):
                     fds[file] = os.open(_fsio.join(self.root, file), os.O_RDONLY)
                 return fds[file]
 
-        def read_item(item: ReadItem) -> None:
-            stored = self.storage_data[item.storage_index]
-            target = planner.resolve_tensor(item).detach()
-            if tuple(target.shape) != tuple(item.lengths):
-                raise ValueError(f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match requested {list(item.lengths)}")
-            itemsize = element_size(stored.dtype)
-            for r0, r1 in slab_bounds(item.lengths, itemsize):
-                offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
-                dest = target[r0:r1] if item.lengths else target
-                # Read straight into the destination when it can take the raw bytes; else a slab buffer.
-                direct = dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu"
-                buf = dest if direct else torch.empty(sizes, dtype=stored.dtype)
-                view = memoryview(buf.reshape(-1).view(torch.uint8).numpy()).cast("B")
-                runs = chunk_runs(stored.shape, offsets, sizes, itemsize)
-                if local:
-                    fd = fd_for(stored.file)
-                    for t, c, n in runs:
-                        _fsio.pread_into(fd, view[c : c + n], stored.start + t, where=self._url(stored.file))
-                else:
-                    self._fetch_runs(stored, list(runs), view)
-                if not direct:
-                    dest.copy_(buf)
-            planner.commit_tensor(item, target)
+        def fill(stored: _Stored, runs: Iterable[tuple[int, int, int]], view: memoryview) -> None:
+            if not local:
+                self._fetch_runs(stored, list(runs), view)
+                return
+            fd = fd_for(stored.file)
+            for t, c, n in runs:
+                _fsio.pread_into(fd, view[c : c + n], stored.start + t, where=self._url(stored.file))
 
         try:
-            parallel_map(read_item, plan.items, self.thread_count)
+            parallel_map(lambda item: self._read_item(item, planner, fill), plan.items, self.thread_count)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -182,16 +166,34 @@ class HFStorageReader(StorageReader):
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _read_item(self, item: ReadItem, planner: LoadPlanner, fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None]) -> None:
+        """Read one requested region slab by slab; ``fill`` reads byte runs into a buffer."""
+        stored = self.storage_data[item.storage_index]
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != tuple(item.lengths):
+            raise ValueError(f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match requested {list(item.lengths)}")
+        itemsize = element_size(stored.dtype)
+        for r0, r1 in slab_bounds(item.lengths, itemsize):
+            offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
+            dest = target[r0:r1] if item.lengths else target
+            # Read straight into the destination when it can take the raw bytes; else a slab buffer.
+            direct = dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu"
+            buf = dest if direct else torch.empty(sizes, dtype=stored.dtype)
+            fill(stored, chunk_runs(stored.shape, offsets, sizes, itemsize), memoryview(buf.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+            if not direct:
+                dest.copy_(buf)
+        planner.commit_tensor(item, target)
+
     def _url(self, name: str) -> str:
         return _fsio.url_of(self.fs, _fsio.join(self.root, name))
 
     def _fetch_runs(self, stored: _Stored, runs: list[tuple[int, int, int]], view: memoryview) -> None:
         path = _fsio.join(self.root, stored.file)
         starts = [stored.start + t for t, _, _ in runs]
-        ends = [s + n for s, (_, _, n) in zip(starts, runs)]
+        ends = [s + n for s, (_, _, n) in zip(starts, runs, strict=True)]
         # cat_ranges runs the requests concurrently on async stores (s3fs) and in a loop elsewhere.
         blobs = self.fs.cat_ranges([path] * len(runs), starts, ends)
-        for (_, c, n), blob in zip(runs, blobs):
+        for (_, c, n), blob in zip(runs, blobs, strict=True):
             if isinstance(blob, BaseException):
                 raise blob
             if len(blob) != n:

@@ -184,7 +184,7 @@ class HFStorageWriter(StorageWriter):
         names = tuple(f.name for f in layout.files)
         return [
             dataclasses.replace(plan, storage_data=_RankPlan(rank, direct, names, placed))
-            for rank, (plan, placed) in enumerate(zip(plans, placements))
+            for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True))
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
