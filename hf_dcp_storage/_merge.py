@@ -8,6 +8,7 @@ object that holds it.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 from collections.abc import Iterable, Iterator
@@ -72,24 +73,8 @@ def merge_file(
         RuntimeError: the staged runs leave a hole or overlap (an inconsistent save).
     """
     readers: dict[str, Any] = {}
-    try:
-        _copy_runs(fs, out_path, header, size, pieces, readers)
-    finally:
-        for r in readers.values():
-            r.close()
-
-
-def _copy_runs(
-    fs: AbstractFileSystem,
-    out_path: str,
-    header: bytes,
-    size: int,
-    pieces: Iterable[StagedPiece],
-    readers: dict[str, Any],
-) -> None:
-    """The merge itself; ``readers`` caches one open staged object per path (closed by the caller)."""
     # write_stream publishes nothing if the merge fails: no truncated shard is left behind.
-    with _fsio.write_stream(fs, out_path, size) as out:
+    with contextlib.ExitStack() as stack, _fsio.write_stream(fs, out_path, size) as out:
         out.write(header)
         pos = len(header)
         for off, path, soff, n in merge_segments(pieces):
@@ -97,7 +82,7 @@ def _copy_runs(
                 raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
             src = readers.get(path)
             if src is None:
-                src = readers[path] = fs.open(path, "rb", block_size=COPY_BYTES)
+                src = readers[path] = stack.enter_context(fs.open(path, "rb", block_size=COPY_BYTES))
             src.seek(soff)
             left = n
             while left:

@@ -151,9 +151,9 @@ class HFStorageReader(StorageReader):
             if not local:
                 self._fetch_runs(stored, list(runs), view)
                 return
-            fd = fd_for(stored.file)
+            fd, where = fd_for(stored.file), self._url(stored.file)
             for t, c, n in runs:
-                _fsio.pread_into(fd, view[c : c + n], stored.start + t, where=self._url(stored.file))
+                _fsio.pread_into(fd, view[c : c + n], stored.start + t, where=where)
 
         try:
             parallel_map(lambda item: self._read_item(item, planner, fill), plan.items, self.thread_count)
