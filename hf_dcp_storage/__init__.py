@@ -8,8 +8,9 @@
 """
 
 from .planner import HFLoadPlanner, HFSavePlanner
+from ._retry import RetryPolicy
 from .reader import HFStorageReader
 from .writer import HFStorageWriter
 
-__all__ = ["HFStorageWriter", "HFStorageReader", "HFSavePlanner", "HFLoadPlanner"]
+__all__ = ["HFStorageWriter", "HFStorageReader", "HFSavePlanner", "HFLoadPlanner", "RetryPolicy"]
 __version__ = "0.1.0"

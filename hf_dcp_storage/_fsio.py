@@ -29,6 +29,7 @@ __all__ = [
     "remove",
     "remove_tree",
     "write_atomic",
+    "part_bytes",
     "open_stream",
     "write_stream",
     "open_rw",
@@ -115,16 +116,20 @@ STREAM_PART_BYTES = 8 << 20
 _MAX_PARTS = 9_000
 
 
-def open_stream(fs: AbstractFileSystem, path: str, size_hint: int) -> Any:
-    """A write stream for ``path`` that buffers at most one upload part.
+def part_bytes(fs: AbstractFileSystem, size_hint: int) -> int:
+    """Upload part size for a streamed object of about ``size_hint`` bytes.
 
-    The part is ``STREAM_PART_BYTES`` or the filesystem's own ``default_block_size`` if the
-    user set a smaller one (s3fs takes it from ``storage_options``), grown only as far as a
-    ``size_hint``-byte object needs to fit in the part-count limit.
+    ``STREAM_PART_BYTES``, or the filesystem's own ``default_block_size`` if the user set a
+    smaller one (s3fs takes it from ``storage_options``), grown only as far as the object needs
+    to fit in the part-count limit.
     """
     configured = getattr(fs, "default_block_size", None) or STREAM_PART_BYTES
-    part = max(min(configured, STREAM_PART_BYTES), -(-size_hint // _MAX_PARTS))
-    return fs.open(path, "wb", block_size=part)
+    return max(min(configured, STREAM_PART_BYTES), -(-size_hint // _MAX_PARTS))
+
+
+def open_stream(fs: AbstractFileSystem, path: str, size_hint: int) -> Any:
+    """A write stream for ``path`` that buffers at most one upload part (``part_bytes``)."""
+    return fs.open(path, "wb", block_size=part_bytes(fs, size_hint))
 
 
 @contextlib.contextmanager

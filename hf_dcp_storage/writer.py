@@ -33,7 +33,9 @@ from ._layout import (
     plan_layout,
 )
 from ._parallel import parallel_map
-from ._merge import StagedPiece, merge_file
+from ._merge import StagedPiece, merge_file, merge_segments
+from ._retry import RetryPolicy
+from ._s3 import MIN_PART_BYTES, MergeStats, MultipartWriter, merge_object, s3_for
 from ._slabs import as_bytes, slab_bounds, sub_chunk
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
@@ -90,6 +92,11 @@ class HFStorageWriter(StorageWriter):
         thread_count: I/O threads per rank.
         direct_write: positioned writes into the final files; ``None`` picks them wherever the
             filesystem supports them (local disk). ``False`` forces the staged path.
+        retry: how transient failures of remote requests are retried (S3); default
+            ``RetryPolicy()``. Permanent failures (access denied, missing bucket) are not retried.
+
+    After a staged save, the coordinator's ``merge_stats`` tells how many consolidated bytes
+    the store copied itself and how many passed through this process.
 
     Raises:
         ValueError: a bad option, naming it and the accepted values.
@@ -105,8 +112,11 @@ class HFStorageWriter(StorageWriter):
         overwrite: bool = False,
         thread_count: int = 4,
         direct_write: bool | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ValueError(f"retry must be a hf_dcp_storage.RetryPolicy, got {type(retry).__name__}")
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
         if fqn_to_index_mapping is not None and not isinstance(fqn_to_index_mapping, Mapping):
@@ -117,6 +127,8 @@ class HFStorageWriter(StorageWriter):
         self.overwrite = overwrite
         self.thread_count = thread_count
         self.direct_write = direct_write
+        self.retry = retry or RetryPolicy()
+        self._s3 = None
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.is_coordinator = False
         if path is not None:
@@ -129,6 +141,7 @@ class HFStorageWriter(StorageWriter):
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = _fsio.resolve(checkpoint_id, self.storage_options)
+            self._s3 = s3_for(self.fs, self.retry)
             if self.direct_write and not _fsio.is_local(self.fs):
                 raise ValueError(
                     f"direct_write=True needs positioned writes, which {checkpoint_id!s} does not "
@@ -137,6 +150,7 @@ class HFStorageWriter(StorageWriter):
         self._layout: Layout | None = None
         self._direct = False
         self._items: dict[MetadataIndex, WriteItem] = {}
+        self.merge_stats = MergeStats()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -208,7 +222,11 @@ class HFStorageWriter(StorageWriter):
             self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs])
             _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
         index = {"metadata": {"total_size": layout.total_size}, "weight_map": dict(sorted(layout.weight_map.items()))}
-        _fsio.write_atomic(self.fs, _fsio.join(self.root, INDEX_NAME), _json_bytes(index))
+        index_path = _fsio.join(self.root, INDEX_NAME)
+        if self._s3 is not None:
+            self._s3.put(index_path, _json_bytes(index))  # one PUT: atomic on S3, and retried
+        else:
+            _fsio.write_atomic(self.fs, index_path, _json_bytes(index))
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -286,7 +304,7 @@ class HFStorageWriter(StorageWriter):
             file_items = sorted(by_file[file], key=lambda it: (rank_plan.placements[it.index].tensor_start, _chunk_offsets(it)))
             results, pos = [], 0
             size = sum(_chunk_bytes(it) for it in file_items)
-            with _fsio.write_stream(self.fs, path, size) as out:
+            with self._staged_stream(path, size) as out:
                 for item in file_items:
                     start = pos
                     for _, data in _item_slabs(item, planner):
@@ -299,6 +317,12 @@ class HFStorageWriter(StorageWriter):
             return results
 
         return [r for rs in parallel_map(write_file, sorted(by_file), self.thread_count) for r in rs]
+
+    def _staged_stream(self, path: str, size: int) -> Any:
+        """A stream for one staged object that publishes it only on a clean exit."""
+        if self._s3 is not None:
+            return MultipartWriter(self._s3, path, max(_fsio.part_bytes(self.fs, size), MIN_PART_BYTES))
+        return _fsio.write_stream(self.fs, path, size)
 
     def _staged_path(self, file_name: str, rank: int) -> str:
         """Where ``rank`` stages its bytes of output file ``file_name``."""
@@ -325,9 +349,16 @@ class HFStorageWriter(StorageWriter):
 
         def merge_one(file: int) -> None:
             plan = layout.files[file]
-            merge_file(self.fs, _fsio.join(self.root, plan.name), plan.header, plan.size, pieces.get(file, []))
+            out = _fsio.join(self.root, plan.name)
+            if self._s3 is not None:
+                # Parts of one file go in parallel; files one after another bound the memory.
+                segments = merge_segments(pieces.get(file, []))
+                merge_object(self._s3, out, plan.header, plan.size, segments, threads=self.thread_count, stats=self.merge_stats)
+            else:
+                merge_file(self.fs, out, plan.header, plan.size, pieces.get(file, []))
+                self.merge_stats.add(plan.size, 0, plan.size)
 
-        parallel_map(merge_one, range(len(layout.files)), self.thread_count)
+        parallel_map(merge_one, range(len(layout.files)), 1 if self._s3 is not None else self.thread_count)
 
 
 def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:

@@ -91,7 +91,7 @@ def _is_multipart(fs: s3fs.S3FileSystem, path: str) -> bool:
 
 
 def _mixed_state_dict() -> dict[str, torch.Tensor]:
-    """Every safetensors dtype, 0-dim, empty, non-contiguous, tied, and one 6.25 MiB tensor."""
+    """Every safetensors dtype, 0-dim, empty, non-contiguous, tied, and one 12 MiB tensor."""
     sd = {f"dtype.{name}": random_tensor((3, 5), dtype, seed_of(name)) for name, dtype in sorted(NAME_TO_DTYPE.items())}
     base = random_tensor((6, 4), torch.float32, 1)
     sd.update(
@@ -104,8 +104,9 @@ def _mixed_state_dict() -> dict[str, torch.Tensor]:
             "odd.strided": base[::2, 1:],
             "odd.tied_a": base,
             "odd.tied_b": base,
-            # Over s3fs' 5 MiB block: the merged file and its staged object are multipart uploads.
-            "big": random_tensor((1600, 1024), torch.float32, 2),
+            # Over two 5 MiB parts: its staged object is a multipart upload, and the merged file
+            # copies most of it server-side (the header's part takes the first bytes).
+            "big": random_tensor((3072, 1024), torch.float32, 2),
         }
     )
     return sd
@@ -119,7 +120,8 @@ def test_round_trip_dtypes_odd_tensors_several_files_multipart(s3) -> None:
     url = f"{bucket}/run/step_1"
     sd = _mixed_state_dict()
     # Small files: the small tensors spread over several; "big" gets one of its own.
-    dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size="200B"))
+    writer = HFStorageWriter(url, storage_options=options, max_shard_size="200B")
+    dcp.save(sd, storage_writer=writer)
 
     objects = _objects(url, options)
     assert not any(STAGING_DIR in name for name in objects), sorted(objects)  # staging removed after commit
@@ -132,6 +134,12 @@ def test_round_trip_dtypes_odd_tensors_several_files_multipart(s3) -> None:
     fs = _fs(options)
     assert _is_multipart(fs, f"{url}/{big_file}"), fs.info(f"{url}/{big_file}")
     assert not _is_multipart(fs, f"{url}/{files[0]}")  # a small file is one PUT
+    # Only the header's 5 MiB part went through the client; the rest was copied by the server.
+    stats = writer.merge_stats
+    assert stats.files == len(files)
+    assert stats.total_bytes == sum(len(objects[f]) for f in files)
+    assert stats.server_copied_bytes == len(objects[big_file]) - 5 * MiB
+    assert stats.client_bytes == stats.total_bytes - stats.server_copied_bytes
 
     out = {k: torch.full(v.shape, 7, dtype=v.dtype) if v.numel() else torch.empty(v.shape, dtype=v.dtype) for k, v in sd.items()}
     dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options, thread_count=3))
