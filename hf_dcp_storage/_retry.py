@@ -12,9 +12,10 @@ part, a part copy, completing or aborting an upload), so sending it twice is saf
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -99,19 +100,34 @@ class RetryPolicy:
         while True:
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - classified below, re-raised with context
+            except Exception as exc:  # noqa: BLE001 - classified, then re-raised with context
                 attempt += 1
-                if not is_transient(exc):
-                    raise _permanent(exc, operation, url) from exc
-                elapsed = time.monotonic() - started
-                delay = random.uniform(0.0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
-                if attempt >= self.max_attempts or elapsed + delay > self.deadline:
-                    raise RemoteOperationError(
-                        f"{operation} {url} failed after {attempt} attempt(s) over {elapsed:.1f} s: "
-                        f"{_describe(exc)}; raise RetryPolicy(max_attempts=..., deadline=...) if the store "
-                        f"is only slow"
-                    ) from exc
-                sleep(delay)
+                sleep(self._delay_or_raise(exc, attempt, started, operation, url))
+
+    async def acall(self, fn: Callable[[], Awaitable[T]], *, operation: str, url: str) -> T:
+        """``await fn()``, retried like :meth:`call`; for requests issued concurrently on one event loop."""
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return await fn()
+            except Exception as exc:  # noqa: BLE001 - classified, then re-raised with context
+                attempt += 1
+                await asyncio.sleep(self._delay_or_raise(exc, attempt, started, operation, url))
+
+    def _delay_or_raise(self, exc: Exception, attempt: int, started: float, operation: str, url: str) -> float:
+        """The sleep before the next attempt, or raise if ``exc`` ends the retries."""
+        if not is_transient(exc):
+            raise _permanent(exc, operation, url) from exc
+        elapsed = time.monotonic() - started
+        delay = random.uniform(0.0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
+        if attempt >= self.max_attempts or elapsed + delay > self.deadline:
+            raise RemoteOperationError(
+                f"{operation} {url} failed after {attempt} attempt(s) over {elapsed:.1f} s: "
+                f"{_describe(exc)}; raise RetryPolicy(max_attempts=..., deadline=...) if the store "
+                f"is only slow"
+            ) from exc
+        return delay
 
 
 def _permanent(exc: Exception, operation: str, url: str) -> OSError:

@@ -18,6 +18,7 @@ Two things make S3 consolidation cheap here:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -72,24 +73,45 @@ class S3:
         self.fs = fs
         self.retry = retry
 
-    def _call(self, method: str, operation: str, path: str, **kwargs: Any) -> Any:
+    async def _once(self, method: str, kwargs: dict[str, Any]) -> Any:
         fs = self.fs
+        await fs.set_session()
+        client = await fs.get_s3(kwargs.get("Bucket"))
+        # The user's s3_additional_kwargs (e.g. SSE) and requester-pays, filtered per method.
+        full = fs._get_s3_method_kwargs(getattr(client, method), **kwargs)
+        response = await getattr(client, method)(**full)
+        if method == "get_object":
+            # Read inside the retried call: a body cut short is retried like any transient failure.
+            body = response["Body"]
+            try:
+                response["Data"] = await body.read()
+            finally:
+                body.close()
+        return response
 
-        async def once() -> Any:
-            await fs.set_session()
-            client = await fs.get_s3(kwargs.get("Bucket"))
-            # The user's s3_additional_kwargs (e.g. SSE) and requester-pays, filtered per method.
-            full = fs._get_s3_method_kwargs(getattr(client, method), **kwargs)
-            response = await getattr(client, method)(**full)
-            if method == "get_object":
-                body = response["Body"]
-                try:
-                    response["Data"] = await body.read()
-                finally:
-                    body.close()
-            return response
+    def _call(self, method: str, operation: str, path: str, **kwargs: Any) -> Any:
+        return self.retry.call(lambda: sync(self.fs.loop, self._once, method, kwargs), operation=operation, url=f"s3://{path}")
 
-        return self.retry.call(lambda: sync(fs.loop, once), operation=operation, url=f"s3://{path}")
+    def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]], *, concurrency: int = 16) -> list[bytes]:
+        """Bytes ``[start, end)`` of each range, fetched with up to ``concurrency`` GETs in flight."""
+        bucket, key = _bucket_key(path)
+
+        async def fetch_all() -> list[bytes]:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(start: int, end: int) -> bytes:
+                if end <= start:
+                    return b""
+                kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+                async with gate:
+                    r = await self.retry.acall(
+                        lambda: self._once("get_object", kwargs), operation=f"GET bytes {start}-{end - 1} of", url=f"s3://{path}"
+                    )
+                return r["Data"]
+
+            return list(await asyncio.gather(*(one(s, e) for s, e in ranges)))
+
+        return sync(self.fs.loop, fetch_all)
 
     def put(self, path: str, data: bytes | memoryview) -> None:
         bucket, key = _bucket_key(path)

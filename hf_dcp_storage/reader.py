@@ -27,8 +27,10 @@ from ._header import TensorEntry, decode_header, header_length
 from ._layout import INDEX_NAME, SINGLE_FILE_NAME, chunk_runs, element_size
 from ._slabs import slab_bounds, sub_chunk
 from ._parallel import parallel_map
+from ._retry import RetryPolicy
+from ._s3 import S3, s3_for
 
-__all__ = ["HFStorageReader"]
+__all__ = ["HFStorageReader", "coalesce"]
 
 # First ranged read of every file: most headers fit, so one request usually gets the whole header.
 _HEADER_PROBE = 64 << 10
@@ -60,6 +62,7 @@ class HFStorageReader(StorageReader):
             ``dcp.load(..., checkpoint_id=...)``.
         storage_options: passed to the fsspec filesystem.
         thread_count: I/O threads per rank.
+        retry: how transient failures of remote reads are retried; default ``RetryPolicy()``.
 
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is missing.
@@ -72,12 +75,17 @@ class HFStorageReader(StorageReader):
         *,
         storage_options: dict[str, Any] | None = None,
         thread_count: int = 4,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ValueError(f"retry must be a hf_dcp_storage.RetryPolicy, got {type(retry).__name__}")
         self.storage_options = storage_options
         self.thread_count = thread_count
+        self.retry = retry or RetryPolicy()
+        self._s3: S3 | None = None
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         if path is not None:
@@ -89,6 +97,7 @@ class HFStorageReader(StorageReader):
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = _fsio.resolve(checkpoint_id, self.storage_options)
+            self._s3 = s3_for(self.fs, self.retry)
         self.storage_data = {}
 
     @classmethod
@@ -188,17 +197,29 @@ class HFStorageReader(StorageReader):
         return _fsio.url_of(self.fs, _fsio.join(self.root, name))
 
     def _fetch_runs(self, stored: _Stored, runs: list[tuple[int, int, int]], view: memoryview) -> None:
+        """Read ``runs`` of a remote file into ``view``: nearby runs joined, requests in parallel."""
         path = _fsio.join(self.root, stored.file)
-        starts = [stored.start + t for t, _, _ in runs]
-        ends = [s + n for s, (_, _, n) in zip(starts, runs, strict=True)]
-        # cat_ranges runs the requests concurrently on async stores (s3fs) and in a loop elsewhere.
-        blobs = self.fs.cat_ranges([path] * len(runs), starts, ends)
-        for (_, c, n), blob in zip(runs, blobs, strict=True):
+        spans = [(stored.start + t, stored.start + t + n) for t, _, n in runs]
+        requests = coalesce(spans)
+        if self._s3 is not None:
+            blobs: list[Any] = self._s3.get_ranges(path, requests)
+        else:
+            # cat_ranges runs the requests concurrently on async stores and in a loop elsewhere.
+            blobs = self.retry.call(
+                lambda: self.fs.cat_ranges([path] * len(requests), [s for s, _ in requests], [e for _, e in requests]),
+                operation="read byte ranges of",
+                url=self._url(stored.file),
+            )
+        j = 0
+        for (_, c, n), (s, e) in zip(runs, spans, strict=True):
+            while requests[j][1] < e:
+                j += 1
+            blob, r0 = blobs[j], requests[j][0]
             if isinstance(blob, BaseException):
                 raise blob
-            if len(blob) != n:
-                raise ValueError(f"{self._url(stored.file)}: got {len(blob)} of {n} bytes at {stored.start}; the file is truncated")
-            view[c : c + n] = blob
+            if len(blob) < e - r0:
+                raise ValueError(f"{self._url(stored.file)}: got {len(blob)} of {requests[j][1] - r0} bytes at {r0}; the file is truncated")
+            view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
 
     def _weight_map(self) -> dict[str, str]:
         """``key -> file`` from the index json, or from the single ``model.safetensors``."""
@@ -218,6 +239,13 @@ class HFStorageReader(StorageReader):
             return {key: SINGLE_FILE_NAME for key in entries}
         return _parse_index(raw, self._url(INDEX_NAME))
 
+    def _read_range(self, path: str, start: int, end: int) -> bytes:
+        if self._s3 is not None:
+            return self._s3.get_range(path, start, end)
+        return self.retry.call(
+            lambda: _fsio.read_range(self.fs, path, start, end), operation=f"read bytes {start}-{end - 1} of", url=_fsio.url_of(self.fs, path)
+        )
+
     def _read_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int]:
         path = _fsio.join(self.root, file)
         where = self._url(file)
@@ -225,12 +253,28 @@ class HFStorageReader(StorageReader):
             size = self.fs.size(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{where}: file named by the checkpoint index does not exist") from None
-        raw = _fsio.read_range(self.fs, path, 0, min(size, _HEADER_PROBE))
+        raw = self._read_range(path, 0, min(size, _HEADER_PROBE))
         n = header_length(raw, file_size=size, where=where)
         if len(raw) < 8 + n:
-            raw += _fsio.read_range(self.fs, path, len(raw), 8 + n)
+            raw += self._read_range(path, len(raw), 8 + n)
         entries, _, data_start = decode_header(raw, file_size=size, where=where)
         return {e.name: e for e in entries}, data_start
+
+
+def coalesce(spans: list[tuple[int, int]], waste: float = 0.1) -> list[tuple[int, int]]:
+    """Join sorted, disjoint byte spans ``[start, end)`` into fewer requests.
+
+    A span joins the request before it when the gap between them is at most ``waste`` times
+    the span's own length, so the bytes fetched stay within ``1 + waste`` times those needed,
+    while a tensor's adjacent runs (a row shard read in pieces) become one request. Pure.
+    """
+    requests: list[tuple[int, int]] = []
+    for start, end in spans:
+        if requests and start - requests[-1][1] <= waste * (end - start):
+            requests[-1] = (requests[-1][0], end)
+        else:
+            requests.append((start, end))
+    return requests
 
 
 def _parse_index(raw: bytes, where: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""``plan_parts``: cutting a consolidated file into S3 multipart parts (pure; no server)."""
+"""Pure plans for remote stores (no server): S3 multipart parts of a merge, coalesced read requests."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import random
 
 import pytest
 
+from hf_dcp_storage._layout import chunk_runs
 from hf_dcp_storage._s3 import MAX_PART_BYTES, MIN_PART_BYTES, ClientPart, CopyPart, plan_parts
+
+from hf_dcp_storage.reader import coalesce
 
 MiB = 2**20
 
@@ -99,3 +102,32 @@ def test_random_runs_tile_the_file_with_valid_parts(seed: int) -> None:
     # (the head that tops up a short gather, or the whole run if too little would be left).
     small = header + sum(n for *_, n in segs if n < min_copy)
     assert size - copied <= small + sum(min(n, 2 * min_copy - 1) for *_, n in segs if n >= min_copy)
+
+
+# -- coalesced ranged reads ---------------------------------------------------------------------------
+
+
+def test_coalesce_joins_adjacent_and_near_spans_only() -> None:
+    assert coalesce([]) == []
+    assert coalesce([(0, 100), (100, 200), (205, 300)]) == [(0, 300)]  # gap 5 <= 10% of 95
+    assert coalesce([(0, 100), (150, 250)]) == [(0, 100), (150, 250)]  # gap 50 > 10% of 100
+    assert coalesce([(0, 100), (150, 250)], waste=0.5) == [(0, 250)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_coalesced_requests_cover_every_run_within_10_percent_extra(seed: int) -> None:
+    """Runs of a random region of a random tensor (row and column cuts): every run lies inside one
+    request, requests are disjoint and ordered, and they fetch at most 1.1x the needed bytes."""
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(1, 12) for _ in range(rng.randint(1, 3)))
+    offsets = tuple(rng.randrange(d) for d in shape)
+    sizes = tuple(rng.randint(1, d - o) for d, o in zip(shape, offsets))
+    itemsize = rng.choice([1, 2, 4])
+    spans = [(t, t + n) for t, _, n in chunk_runs(shape, offsets, sizes, itemsize)]
+    requests = coalesce(spans)
+    assert all(a[1] < b[0] for a, b in zip(requests, requests[1:]))
+    assert all(any(s >= r0 and e <= r1 for r0, r1 in requests) for s, e in spans)
+    needed = sum(e - s for s, e in spans)
+    assert sum(e - s for s, e in requests) <= 1.1 * needed
+    if sizes[1:] == shape[1:]:
+        assert len(requests) == 1  # a row cut is contiguous: one request
