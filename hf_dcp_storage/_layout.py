@@ -19,6 +19,9 @@ from ._header import TensorEntry, dtype_name, encode_header
 
 __all__ = [
     "INDEX_NAME",
+    "CHECKSUM_ALGORITHM_KEY",
+    "CHECKSUM_ALGORITHM",
+    "CHECKSUMS_KEY",
     "SINGLE_FILE_NAME",
     "SHARD_NAME_RE",
     "FORMAT_METADATA",
@@ -36,6 +39,10 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
+# Index metadata entries holding each tensor's CRC32 (8 hex digits) of its bytes in its file.
+CHECKSUM_ALGORITHM_KEY = "checksum_algorithm"
+CHECKSUM_ALGORITHM = "crc32"
+CHECKSUMS_KEY = "checksums"
 SINGLE_FILE_NAME = "model.safetensors"
 SHARD_NAME_RE = re.compile(r"^model-(\d{5,})-of-(\d{5,})\.safetensors$")
 FORMAT_METADATA = {"format": "pt"}

@@ -18,8 +18,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import _fsio
+from ._crc import CrcAccumulator
 from ._header import dtype_name
 from ._layout import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUM_ALGORITHM_KEY,
+    CHECKSUMS_KEY,
     INDEX_NAME,
     SHARD_NAME_RE,
     SINGLE_FILE_NAME,
@@ -55,10 +59,12 @@ class _RankPlan:
 
 @dataclass(frozen=True)
 class _Written:
-    """``WriteResult.storage_data``: the output file, and the item's offset in its staged file."""
+    """``WriteResult.storage_data``: the output file, the item's offset in its staged file, and
+    the item's share of its tensor's CRC32 (XOR of all shares = the tensor's CRC32)."""
 
     file: int
     staged_offset: int | None
+    crc: int
 
 
 class HFStorageWriter(StorageWriter):
@@ -221,7 +227,18 @@ class HFStorageWriter(StorageWriter):
         else:
             self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs])
             _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
-        index = {"metadata": {"total_size": layout.total_size}, "weight_map": dict(sorted(layout.weight_map.items()))}
+        checksums = dict.fromkeys(layout.weight_map, 0)
+        for rank_results in results:
+            for r in rank_results:
+                checksums[r.index.fqn] ^= r.storage_data.crc
+        index = {
+            "metadata": {
+                "total_size": layout.total_size,
+                CHECKSUM_ALGORITHM_KEY: CHECKSUM_ALGORITHM,
+                CHECKSUMS_KEY: {key: f"{checksums[key]:08x}" for key in sorted(checksums)},
+            },
+            "weight_map": dict(sorted(layout.weight_map.items())),
+        }
         index_path = _fsio.join(self.root, INDEX_NAME)
         if self._s3 is not None:
             self._s3.put(index_path, _json_bytes(index))  # one PUT: atomic on S3, and retried
@@ -272,16 +289,19 @@ class HFStorageWriter(StorageWriter):
             place = rank_plan.placements[item.index]
             fd = fd_for(place.file)
             nbytes = 0
+            crc = CrcAccumulator()
             for runs, data in _item_slabs(item, planner):
                 first = last = None
                 for tensor_off, chunk_off, n in runs:
-                    _fsio.pwrite_all(fd, data[chunk_off : chunk_off + n], place.tensor_start + tensor_off)
+                    run = data[chunk_off : chunk_off + n]
+                    _fsio.pwrite_all(fd, run, place.tensor_start + tensor_off)
+                    crc.update(tensor_off, run)  # while the run is still in cache
                     first = tensor_off if first is None else first
                     last = tensor_off + n
                 if first is not None:
                     _fsio.start_writeback(fd, place.tensor_start + first, last - first)
                 nbytes += len(data)
-            return WriteResult(item.index, nbytes, _Written(place.file, None))
+            return WriteResult(item.index, nbytes, _Written(place.file, None, crc.contribution(_tensor_bytes(item))))
 
         try:
             results = parallel_map(write_item, items, self.thread_count)
@@ -307,10 +327,13 @@ class HFStorageWriter(StorageWriter):
             with self._staged_stream(path, size) as out:
                 for item in file_items:
                     start = pos
-                    for _, data in _item_slabs(item, planner):
+                    crc = CrcAccumulator()
+                    for runs, data in _item_slabs(item, planner):
                         out.write(data)
+                        for tensor_off, chunk_off, n in runs:
+                            crc.update(tensor_off, data[chunk_off : chunk_off + n])
                         pos += len(data)
-                    results.append(WriteResult(item.index, pos - start, _Written(file, start)))
+                    results.append(WriteResult(item.index, pos - start, _Written(file, start, crc.contribution(_tensor_bytes(item)))))
                 if _fsio.is_local(self.fs):
                     out.flush()
                     os.fsync(out.fileno())
@@ -377,6 +400,13 @@ def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterabl
         sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
         part = tensor[r0:r1] if sizes else tensor
         yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+
+
+def _tensor_bytes(item: WriteItem) -> int:
+    """Bytes of the whole tensor (not the chunk) in the saved dtype."""
+    td = item.tensor_data
+    assert td is not None
+    return math.prod(td.size) * element_size(td.properties.dtype)
 
 
 def _chunk_offsets(item: WriteItem) -> tuple[int, ...]:

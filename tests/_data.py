@@ -115,7 +115,21 @@ def read_checkpoint(folder: str | os.PathLike[str]) -> tuple[dict[str, torch.Ten
     assert set(tensors) == set(weight_map), f"index keys missing from the files: {sorted(set(weight_map) - set(tensors))}"
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     assert index["metadata"]["total_size"] == total, f"index total_size {index['metadata']['total_size']} != {total}"
+    assert_checksums(index, tensors)
     return tensors, index
+
+
+def tensor_crc32(t: torch.Tensor) -> str:
+    """``zlib.crc32`` of a tensor's bytes in row-major order, as the index writes it (8 hex digits)."""
+    return f"{zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()):08x}"
+
+
+def assert_checksums(index: dict, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The index records, for every key, the CRC32 of exactly the bytes the file holds."""
+    meta = index["metadata"]
+    assert meta["checksum_algorithm"] == "crc32"
+    expected = {key: tensor_crc32(t) for key, t in tensors.items()}
+    assert meta["checksums"] == expected, {k: (meta["checksums"].get(k), v) for k, v in expected.items() if meta["checksums"].get(k) != v}
 
 
 def folder_bytes(folder: str | os.PathLike[str]) -> dict[str, bytes]:

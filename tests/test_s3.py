@@ -25,7 +25,7 @@ from safetensors.torch import load as st_load  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 from _checks import raises_in_checkpoint  # noqa: E402
-from _data import assert_same, folder_bytes, random_tensor, seed_of  # noqa: E402
+from _data import assert_checksums, assert_same, folder_bytes, tensor_crc32, random_tensor, seed_of  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
 from hf_dcp_storage._header import NAME_TO_DTYPE  # noqa: E402
@@ -72,6 +72,7 @@ def _read_back(objects: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict
             tensors[key] = t
     assert set(tensors) == set(weight_map)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert_checksums(index, tensors)
     return tensors, index
 
 
@@ -149,12 +150,12 @@ def test_round_trip_dtypes_odd_tensors_several_files_multipart(s3) -> None:
 def test_index_json_is_exact(s3) -> None:
     bucket, options = s3
     url = f"{bucket}/run/step_1"
-    sd = {"a": torch.zeros(100), "b": torch.zeros(100), "c": torch.zeros(10, dtype=torch.bfloat16)}
+    sd = {"a": torch.arange(100.0), "b": -torch.arange(100.0), "c": torch.ones(10, dtype=torch.bfloat16)}
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size=500))
     objects = _objects(url, options)
     assert sorted(objects) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
     assert json.loads(objects[INDEX]) == {
-        "metadata": {"total_size": 820},
+        "metadata": {"total_size": 820, "checksum_algorithm": "crc32", "checksums": {k: tensor_crc32(v) for k, v in sd.items()}},
         "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"},
     }
 

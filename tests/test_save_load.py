@@ -17,6 +17,7 @@ from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStor
 from hf_dcp_storage._header import NAME_TO_DTYPE
 
 from _checks import raises_in_checkpoint
+from _data import tensor_crc32
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -92,11 +93,11 @@ def test_bytes_equal_safetensors_own_output() -> None:
 
 
 def test_index_is_complete_and_matches_files(url: str) -> None:
-    sd = {"a": torch.zeros(100), "b": torch.zeros(100), "c": torch.zeros(10, dtype=torch.bfloat16)}
+    sd = {"a": torch.arange(100.0), "b": -torch.arange(100.0), "c": torch.ones(10, dtype=torch.bfloat16)}
     dcp.save(sd, storage_writer=HFStorageWriter(url, max_shard_size=500))
     index = json.loads(_files(url)["model.safetensors.index.json"])
     assert index == {
-        "metadata": {"total_size": 820},
+        "metadata": {"total_size": 820, "checksum_algorithm": "crc32", "checksums": {k: tensor_crc32(v) for k, v in sd.items()}},
         "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"},
     }
     assert sorted(_files(url)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
