@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import posixpath
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +26,15 @@ from torch.futures import Future
 
 from . import _fsio
 from ._header import TensorEntry, decode_header, header_length
-from ._layout import INDEX_NAME, SINGLE_FILE_NAME, chunk_runs, element_size
+from ._layout import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUM_ALGORITHM_KEY,
+    CHECKSUMS_KEY,
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    chunk_runs,
+    element_size,
+)
 from ._slabs import slab_bounds, sub_chunk
 from ._parallel import parallel_map
 from ._retry import RetryPolicy
@@ -44,6 +54,8 @@ class _Stored:
     start: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    key: str = ""
+    crc: int | None = None  # CRC32 the index records for the tensor's bytes, if any
 
 
 class HFStorageReader(StorageReader):
@@ -63,10 +75,17 @@ class HFStorageReader(StorageReader):
         storage_options: passed to the fsspec filesystem.
         thread_count: I/O threads per rank.
         retry: how transient failures of remote reads are retried; default ``RetryPolicy()``.
+        verify: check every tensor a rank loads against the CRC32 the index recorded at save
+            time. The rank then reads each such tensor whole (once, filling its regions from
+            the same bytes), so a resharded load reads more than without it.
 
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is missing.
-        ValueError: malformed index, a file name escaping the folder, corrupt or truncated files.
+        ValueError: malformed index, a file name escaping the folder, corrupt or truncated files;
+            with ``verify=True``, an index without checksums.
+
+    Raises (from ``read_data``, with ``verify=True``):
+        ValueError: a tensor whose bytes fail their checksum, naming its file and key.
     """
 
     def __init__(
@@ -76,6 +95,7 @@ class HFStorageReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         thread_count: int = 4,
         retry: RetryPolicy | None = None,
+        verify: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -85,6 +105,7 @@ class HFStorageReader(StorageReader):
         self.storage_options = storage_options
         self.thread_count = thread_count
         self.retry = retry or RetryPolicy()
+        self.verify = verify
         self._s3: S3 | None = None
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
@@ -116,7 +137,12 @@ class HFStorageReader(StorageReader):
         """
         if self.checkpoint_id is None:
             raise ValueError("HFStorageReader has no path: pass HFStorageReader(path) or dcp.load(..., checkpoint_id=path)")
-        weight_map = self._weight_map()
+        weight_map, checksums = self._weight_map()
+        if self.verify and checksums is None:
+            raise ValueError(
+                f"{_fsio.url_of(self.fs, self.root)}: verify=True, but the checkpoint records no checksums "
+                f"(only checkpoints saved by HFStorageWriter have them); load it with verify=False"
+            )
         files = sorted(set(weight_map.values()))
         headers = dict(zip(files, parallel_map(self._read_header, files, self.thread_count), strict=True))
         state: dict[str, TensorStorageMetadata] = {}
@@ -130,7 +156,10 @@ class HFStorageReader(StorageReader):
             state[key] = TensorStorageMetadata(
                 TensorProperties(dtype=entry.dtype), torch.Size(entry.shape), [ChunkStorageMetadata(zeros, torch.Size(entry.shape))]
             )
-            storage[MetadataIndex(key, zeros)] = _Stored(file, data_start + entry.begin, entry.dtype, entry.shape)
+            crc = checksums.get(key) if checksums is not None else None
+            if self.verify and crc is None:
+                raise ValueError(f"{self._url(INDEX_NAME)}: verify=True, but the index records no checksum for {key!r}")
+            storage[MetadataIndex(key, zeros)] = _Stored(file, data_start + entry.begin, entry.dtype, entry.shape, key, crc)
         self.storage_data = storage
         return Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
 
@@ -165,7 +194,13 @@ class HFStorageReader(StorageReader):
                 _fsio.pread_into(fd, view[c : c + n], stored.start + t, where=where)
 
         try:
-            parallel_map(lambda item: self._read_item(item, planner, fill), plan.items, self.thread_count)
+            if self.verify:
+                by_tensor: dict[MetadataIndex, list[ReadItem]] = {}
+                for item in plan.items:
+                    by_tensor.setdefault(item.storage_index, []).append(item)
+                parallel_map(lambda items: self._read_verified(items, planner, fill), list(by_tensor.values()), self.thread_count)
+            else:
+                parallel_map(lambda item: self._read_item(item, planner, fill), plan.items, self.thread_count)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -192,6 +227,41 @@ class HFStorageReader(StorageReader):
             if not direct:
                 dest.copy_(buf)
         planner.commit_tensor(item, target)
+
+    def _read_verified(self, items: list[ReadItem], planner: LoadPlanner, fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None]) -> None:
+        """Read one whole tensor slab by slab, check its CRC32, and fill every region ``items`` ask for.
+
+        The regions are committed only after the check passes.
+        """
+        stored = self.storage_data[items[0].storage_index]
+        targets = [(item, planner.resolve_tensor(item).detach()) for item in items]
+        itemsize = element_size(stored.dtype)
+        row_bytes = math.prod(stored.shape[1:]) * itemsize
+        crc = 0
+        for r0, r1 in slab_bounds(stored.shape, itemsize):
+            rows = stored.shape and (r1 - r0,)
+            buf = torch.empty((*rows, *stored.shape[1:]), dtype=stored.dtype)
+            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            fill(stored, [(r0 * row_bytes, 0, len(view))] if stored.shape else [(0, 0, itemsize)], view)
+            crc = zlib.crc32(view, crc)
+            for item, target in targets:
+                if not stored.shape:
+                    target.copy_(buf)
+                    continue
+                o0, l0 = item.storage_offsets[0], item.lengths[0]
+                a, b = max(r0, o0), min(r1, o0 + l0)
+                if a < b:
+                    src = buf[a - r0 : b - r0]
+                    for d in range(1, len(stored.shape)):
+                        src = src.narrow(d, item.storage_offsets[d], item.lengths[d])
+                    target[a - o0 : b - o0].copy_(src)
+        if crc != stored.crc:
+            raise ValueError(
+                f"{self._url(stored.file)}: tensor {stored.key!r} fails its checksum (crc32 of the bytes read "
+                f"{crc:08x}, the index records {stored.crc:08x}); the file is corrupt: restore it from a copy or re-save"
+            )
+        for item, target in targets:
+            planner.commit_tensor(item, target)
 
     def _url(self, name: str) -> str:
         return _fsio.url_of(self.fs, _fsio.join(self.root, name))
@@ -221,8 +291,9 @@ class HFStorageReader(StorageReader):
                 raise ValueError(f"{self._url(stored.file)}: got {len(blob)} of {requests[j][1] - r0} bytes at {r0}; the file is truncated")
             view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
 
-    def _weight_map(self) -> dict[str, str]:
-        """``key -> file`` from the index json, or from the single ``model.safetensors``."""
+    def _weight_map(self) -> tuple[dict[str, str], dict[str, int] | None]:
+        """``key -> file`` and the recorded checksums from the index json, or from the single
+        ``model.safetensors`` (no checksums)."""
         index_path = _fsio.join(self.root, INDEX_NAME)
         try:
             raw = self.fs.cat_file(index_path)
@@ -236,7 +307,7 @@ class HFStorageReader(StorageReader):
                     f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder that holds them"
                 )
             entries, _ = self._read_header(SINGLE_FILE_NAME)
-            return {key: SINGLE_FILE_NAME for key in entries}
+            return {key: SINGLE_FILE_NAME for key in entries}, None
         return _parse_index(raw, self._url(INDEX_NAME))
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
@@ -277,8 +348,8 @@ def coalesce(spans: list[tuple[int, int]], waste: float = 0.1) -> list[tuple[int
     return requests
 
 
-def _parse_index(raw: bytes, where: str) -> dict[str, str]:
-    """Validate an HF index json and return its weight map."""
+def _parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, int] | None]:
+    """Validate an HF index json; its weight map and its CRC32 checksums (``None`` if it has none)."""
     try:
         index = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -293,5 +364,25 @@ def _parse_index(raw: bytes, where: str) -> dict[str, str]:
                 f"{where}: weight_map names file {file!r}, which is not a plain relative path inside the "
                 f"checkpoint folder; only names like 'model-00001-of-00002.safetensors' are accepted"
             )
-    return weight_map
+    return weight_map, _parse_checksums(index.get("metadata"), where)
+
+
+def _parse_checksums(metadata: Any, where: str) -> dict[str, int] | None:
+    if not isinstance(metadata, dict) or CHECKSUMS_KEY not in metadata:
+        return None
+    algorithm, table = metadata.get(CHECKSUM_ALGORITHM_KEY), metadata[CHECKSUMS_KEY]
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise ValueError(f"{where}: metadata.{CHECKSUM_ALGORITHM_KEY} is {algorithm!r}; this version reads only {CHECKSUM_ALGORITHM!r}")
+    bad = ValueError(f"{where}: metadata.{CHECKSUMS_KEY} must map tensor names to CRC32 values of 8 hex digits")
+    if not isinstance(table, dict):
+        raise bad
+    out = {}
+    for key, value in table.items():
+        if not (isinstance(value, str) and len(value) == 8):
+            raise bad
+        try:
+            out[key] = int(value, 16)
+        except ValueError:
+            raise bad from None
+    return out
 
