@@ -1,0 +1,203 @@
+"""S3 under faults: a pure-Python proxy (``_faultproxy.py``) between s3fs and the moto server.
+
+botocore's own retries are switched off here (``total_max_attempts: 1``) so that every retry
+these tests see is the library's ``RetryPolicy``: transient faults (503 SlowDown, 500, resets,
+truncated bodies, latency) are ridden out with identical bytes; permanent ones (403) fail fast
+on every rank, leave no index and no unfinished multipart upload on the server.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+s3fs = pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from _checks import raises_in_checkpoint  # noqa: E402
+from _data import assert_same, folder_bytes, random_tensor  # noqa: E402
+from _dist import run_ranks  # noqa: E402
+from _faultproxy import Fault, FaultProxy  # noqa: E402
+from conftest import s3_storage_options  # noqa: E402
+from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy  # noqa: E402
+
+INDEX = "model.safetensors.index.json"
+FAST_RETRY = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadline=20)
+
+
+def _options(endpoint: str) -> dict:
+    """s3fs options through ``endpoint`` with botocore's retries off: only ours remain."""
+    return {**s3_storage_options(endpoint), "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
+
+
+@pytest.fixture(scope="module")
+def _proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
+    with FaultProxy(upstream=s3_endpoint) as p:
+        yield p
+
+
+@pytest.fixture
+def proxied(_proxy: FaultProxy, s3_endpoint: str) -> Iterator[tuple[FaultProxy, str, dict, s3fs.S3FileSystem]]:
+    """``(proxy, s3://bucket, options through the proxy, s3fs straight to moto)``, fresh bucket."""
+    direct = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
+    bucket = f"hf-dcp-fault-{uuid.uuid4().hex[:16]}"
+    direct.mkdir(bucket)
+    _proxy.clear()
+    yield _proxy, f"s3://{bucket}", _options(_proxy.endpoint), direct
+    _proxy.clear()
+    assert _proxy.errors == []
+    direct.rm(bucket, recursive=True)
+
+
+def _state_dict() -> dict[str, torch.Tensor]:
+    # 12 MiB + small tensors in one file: a multipart staged object, copy parts and a gathered part.
+    return {
+        "big": random_tensor((3072, 1024), torch.float32, 1),
+        "norm": random_tensor((1024,), torch.bfloat16, 2),
+        "head": random_tensor((64, 1024), torch.float32, 3),
+    }
+
+
+def _objects(direct: s3fs.S3FileSystem, url: str) -> dict[str, bytes]:
+    root = direct._strip_protocol(url)
+    return {posixpath.relpath(p, root): direct.cat_file(p) for p in direct.find(root)}
+
+
+def _unfinished_uploads(direct: s3fs.S3FileSystem, bucket_url: str) -> list:
+    return direct.list_multipart_uploads(bucket_url.removeprefix("s3://"))
+
+
+def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path) -> None:
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    sd = _state_dict()
+    faults = [
+        proxy.add_fault(Fault("503", method="PUT", query_has="partNumber", times=2)),  # staged parts
+        proxy.add_fault(Fault("500", method="PUT", header_has="x-amz-copy-source", times=1)),  # server-side copy
+        proxy.add_fault(Fault("reset", method="GET", path=r"\.rank\d+$", times=2)),  # merge reads
+        proxy.add_fault(Fault("truncate", method="GET", path=r"\.rank\d+$", times=1)),
+        proxy.add_fault(Fault("latency", method="POST", seconds=0.3, times=2)),  # create/complete uploads
+        proxy.add_fault(Fault("503", method="PUT", path=INDEX, times=1)),  # the commit
+    ]
+    dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2))
+    assert [f.fired for f in faults] == [2, 1, 2, 1, 2, 1]
+    # Identical to a fault-free save on local disk.
+    local = tmp_path / "local"
+    dcp.save(sd, storage_writer=HFStorageWriter(str(local)))
+    assert _objects(direct, url) == folder_bytes(local)
+    assert _unfinished_uploads(direct, bucket) == []
+
+    proxy.clear()
+    # One after another on the first GETs (the header probe, then data): five failed attempts.
+    load_faults = [
+        proxy.add_fault(Fault("503", method="GET", path=r"safetensors$", times=2)),
+        proxy.add_fault(Fault("reset", method="GET", path=r"safetensors$", times=1)),
+        proxy.add_fault(Fault("truncate", method="GET", path=r"safetensors$", times=2)),
+    ]
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options, retry=FAST_RETRY, verify=True))
+    assert [f.fired for f in load_faults] == [2, 1, 2]
+    for k, v in sd.items():
+        assert_same(out[k], v, k)
+
+
+def test_a_persistent_503_fails_after_the_policy_with_no_index_and_no_upload(proxied) -> None:
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    fault = proxy.add_fault(Fault("503", method="PUT", query_has="partNumber", times=None))
+    started = time.monotonic()
+    with raises_in_checkpoint(OSError, r"UploadPart 1 s3://.*/\.hf_dcp_staging/model-00001-of-00001\.safetensors\.rank00000 failed after 6 attempt\(s\)"):
+        dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY))
+    assert time.monotonic() - started < 15
+    assert fault.fired >= 6
+    assert INDEX not in _objects(direct, url)
+    assert _unfinished_uploads(direct, bucket) == []
+
+
+def test_access_denied_fails_at_once_naming_operation_and_url(proxied) -> None:
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options))
+    fault = proxy.add_fault(Fault("403", method="GET", path=r"safetensors$", times=None))
+    started = time.monotonic()
+    with raises_in_checkpoint(AssertionError, r"GET bytes 0-\d+ of s3://.*/model-00001-of-00001\.safetensors failed: .*AccessDenied.*\(not retried: the error is permanent\)"):
+        dcp.load({k: torch.zeros_like(v) for k, v in _state_dict().items()}, storage_reader=HFStorageReader(url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0)))
+    assert time.monotonic() - started < 5  # no backoff: a permanent error is not retried
+    assert fault.fired == 1
+
+
+def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failure: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in _state_dict().items()}
+    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY)
+    if not expect_failure:
+        dcp.save(sd, storage_writer=writer)
+        return
+    started = time.monotonic()
+    try:
+        dcp.save(sd, storage_writer=writer)
+    except BaseException as exc:  # CheckpointException derives from BaseException
+        assert "AccessDenied" in repr(exc) and "rank00001" in repr(exc), repr(exc)
+        assert time.monotonic() - started < 30
+    else:
+        raise AssertionError(f"rank {rank}: the save succeeded although rank 1's uploads were denied")
+
+
+def _small_state_dict() -> dict[str, torch.Tensor]:
+    # Small on purpose: a column shard costs one GET per row, and moto copies the whole object
+    # on every GET.
+    return {"w": random_tensor((96, 512), torch.float32, 4), "norm": random_tensor((512,), torch.bfloat16, 5)}
+
+
+def _load_columns_on_ranks(rank: int, world: int, url: str, options: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _small_state_dict()
+    dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(v.dim() - 1)], src_data_rank=None) for k, v in full.items()}
+    dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options))
+    for k, v in full.items():
+        assert_same(dest[k].to_local(), v.chunk(world, dim=v.dim() - 1)[rank], k)
+
+
+@pytest.mark.distributed
+def test_denied_uploads_on_one_rank_fail_the_save_on_every_rank(proxied) -> None:
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    fault = proxy.add_fault(Fault("403", method="PUT", path=r"\.rank00001$", times=None))
+    run_ranks(_save_on_ranks, 2, url, options, True)
+    assert fault.fired >= 1
+    assert INDEX not in _objects(direct, url)
+    assert _unfinished_uploads(direct, bucket) == []
+    # The next save to the same place succeeds and clears what the failed one left.
+    proxy.clear()
+    run_ranks(_save_on_ranks, 2, url, options, False)
+    assert sorted(_objects(direct, url)) == ["model-00001-of-00001.safetensors", INDEX]
+
+
+@pytest.mark.distributed
+def test_resharded_load_fetches_at_most_1_1x_the_needed_bytes_plus_headers(proxied) -> None:
+    """Two ranks load column shards (every row split in two): each rank's ranged GETs, counted by
+    the proxy, move at most 1.1x the bytes it needs, plus the header reads."""
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    dcp.save(_small_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options))
+    proxy.clear()
+    run_ranks(_load_columns_on_ranks, 2, url, options)
+    gets = [r for r in proxy.requests if r.method == "GET" and r.path.endswith(".safetensors")]
+    header_bytes = sum(r.response_bytes for r in gets if r.headers.get("range", "").startswith("bytes=0-"))
+    data_bytes = sum(r.response_bytes for r in gets) - header_bytes
+    needed = sum(v.numel() * v.element_size() for v in _small_state_dict().values())  # the two halves tile each tensor
+    assert needed <= data_bytes <= 1.1 * needed, (data_bytes, needed)
+    assert header_bytes <= 2 * 64 * 1024  # one small probe per rank, not the file
