@@ -49,8 +49,10 @@ def is_transient(exc: BaseException) -> bool:
     response = getattr(exc, "response", None)
     if isinstance(response, dict) and "Error" in response:  # botocore ClientError
         code = str(response.get("Error", {}).get("Code", ""))
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return code in _TRANSIENT_CODES or int(status) >= 500
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        if code in {"NotImplemented", "XNotImplemented"} or status == 501:
+            return False  # the store lacks the feature; asking again will not add it
+        return code in _TRANSIENT_CODES or status >= 500
     if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):

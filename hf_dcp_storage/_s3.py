@@ -72,6 +72,8 @@ class S3:
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs = fs
         self.retry = retry
+        # Cleared the first time the store answers UploadPartCopy with 501 Not Implemented.
+        self.server_copy = True
 
     async def _once(self, method: str, kwargs: dict[str, Any]) -> Any:
         fs = self.fs
@@ -285,6 +287,7 @@ def plan_parts(
     *,
     min_copy: int = MIN_PART_BYTES,
     max_part: int = MAX_PART_BYTES,
+    copy: bool = True,
 ) -> list[CopyPart | ClientPart]:
     """Cut an output file into multipart parts, copying server-side every run that can be a part.
 
@@ -293,9 +296,10 @@ def plan_parts(
     bytes becomes copy parts; smaller runs are gathered into client parts. Every part but the
     last holds at least ``min_copy`` bytes: a short gather in front of a copyable run takes the
     run's first bytes to reach it, so at most ``min_copy`` bytes per such switch pass through the
-    client. Client parts grow as needed to keep the part count within S3's limit. Pure.
+    client. Client parts grow as needed to keep the part count within S3's limit. ``copy=False``
+    (a store without ``UploadPartCopy``) gathers everything in client parts. Pure.
     """
-    client_target = max(min_copy, -(-size // (MAX_PARTS // 2)))
+    client_target = max(MIN_PART_BYTES, min_copy if copy else 0, -(-size // (MAX_PARTS // 2)))
     parts: list[CopyPart | ClientPart] = []
     gather: list[tuple[str | None, int, int]] = [(None, 0, header_len)] if header_len else []
     gathered = header_len
@@ -308,7 +312,7 @@ def plan_parts(
 
     for _, source, start, n in segments:
         end = start + n
-        if n >= min_copy:
+        if copy and n >= min_copy:
             if 0 < gathered < min_copy:
                 # Top the gather up to a valid part with the head of this run.
                 need = min_copy - gathered
@@ -326,10 +330,14 @@ def plan_parts(
             for s in range(start, end, step):
                 parts.append(CopyPart(source, s, min(s + step, end)))
         else:
-            gather.append((source, start, end))
-            gathered += n
-            if gathered >= client_target:
-                flush()
+            # Long runs go in pieces so that a client part stays about ``client_target`` bytes.
+            while start < end:
+                take = min(end - start, client_target - gathered)
+                gather.append((source, start, start + take))
+                gathered += take
+                start += take
+                if gathered >= client_target:
+                    flush()
     flush()
     if len(parts) > MAX_PARTS:
         raise ValueError(f"{len(parts)} parts exceed S3's limit of {MAX_PARTS}; lower max_shard_size")
@@ -375,7 +383,7 @@ def merge_object(
         RuntimeError: the runs leave a hole or the total is not ``size`` (inconsistent save).
     """
     segments = _checked(out_path, len(header), size, segments)
-    parts = plan_parts(len(header), segments, size, min_copy=min_copy)
+    parts = plan_parts(len(header), segments, size, min_copy=min_copy, copy=s3.server_copy)
     if len(parts) == 1 and isinstance(parts[0], ClientPart):
         s3.put(out_path, _gather(s3, header, parts[0]))  # one small file: a single PUT
         stats.add(size, 0, size)
@@ -391,11 +399,30 @@ def merge_object(
     try:
         etags = parallel_map(send, list(enumerate(parts, start=1)), threads)
         s3.complete_upload(out_path, upload_id, etags)
-    except BaseException:
+    except BaseException as exc:
         s3.abort_upload(out_path, upload_id)
+        if s3.server_copy and _not_implemented(exc):
+            # A store without UploadPartCopy: stream the ranges through the client instead,
+            # for this file and every later one.
+            s3.server_copy = False
+            merge_object(s3, out_path, header, size, segments, threads=threads, stats=stats, min_copy=min_copy)
+            return
         raise
     copied = sum(p.end - p.start for p in parts if isinstance(p, CopyPart))
     stats.add(size, copied, size - copied)
+
+
+def _not_implemented(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is the store saying it lacks a feature (HTTP 501)."""
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if error.get("Code") in {"NotImplemented", "XNotImplemented"} or status == 501:
+                return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
 
 
 def _checked(out_path: str, pos: int, size: int, segments: Iterable[tuple[int, str, int, int]]) -> list[tuple[int, str, int, int]]:

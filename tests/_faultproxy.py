@@ -35,13 +35,14 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Literal
 from urllib.parse import parse_qsl, urlsplit
 
-Kind = Literal["403", "404", "500", "503", "reset", "truncate", "latency"]
+Kind = Literal["403", "404", "500", "501", "503", "reset", "truncate", "latency"]
 
 # kind -> (status line reason, S3 error code, message)
 _ERRORS: dict[str, tuple[str, str, str]] = {
     "403": ("Forbidden", "AccessDenied", "Access Denied"),
     "404": ("Not Found", "NoSuchKey", "The specified key does not exist."),
     "500": ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+    "501": ("Not Implemented", "NotImplemented", "A header you provided implies functionality that is not implemented."),
     "503": ("Slow Down", "SlowDown", "Please reduce your request rate."),
 }
 
@@ -60,7 +61,8 @@ def _has(pairs: Headers, spec: str, *, fold_names: bool) -> bool:
 class Fault:
     """What to do to matching requests.
 
-    Kinds: ``"403"``/``"404"`` (permanent: AccessDenied / NoSuchKey) and ``"500"``/``"503"``
+    Kinds: ``"403"``/``"404"`` (permanent: AccessDenied / NoSuchKey), ``"501"`` (NotImplemented:
+    a store without the feature, e.g. no server-side copy) and ``"500"``/``"503"``
     (transient: InternalError / SlowDown) answer an S3 XML error and never reach upstream
     (with ``Expect: 100-continue`` they answer before the body, then close the connection, as
     S3 does); ``"reset"`` reads the request, then drops the connection with a TCP RST;

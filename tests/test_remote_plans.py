@@ -104,6 +104,14 @@ def test_random_runs_tile_the_file_with_valid_parts(seed: int) -> None:
     assert size - copied <= small + sum(min(n, 2 * min_copy - 1) for *_, n in segs if n >= min_copy)
 
 
+def test_without_server_copy_everything_goes_in_client_parts_of_bounded_size() -> None:
+    segs, size = _segments(100, [("r0", 20 * MiB), ("r1", 3 * MiB), ("r0", 12 * MiB)])
+    parts = plan_parts(100, segs, size, copy=False)
+    _check(parts, segs, 100, size)
+    assert all(isinstance(p, ClientPart) for p in parts)
+    assert [p.nbytes for p in parts][:-1] == [5 * MiB] * (len(parts) - 1)  # memory: one part each
+
+
 # -- coalesced ranged reads ---------------------------------------------------------------------------
 
 

@@ -133,6 +133,22 @@ def test_access_denied_fails_at_once_naming_operation_and_url(proxied) -> None:
     assert fault.fired == 1
 
 
+def test_a_store_without_server_side_copy_gets_streamed_range_copies(proxied, tmp_path) -> None:
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    sd = _state_dict()
+    fault = proxy.add_fault(Fault("501", method="PUT", header_has="x-amz-copy-source", times=None))
+    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY)
+    dcp.save(sd, storage_writer=writer)
+    assert fault.fired == 1  # asked once, then never again
+    assert writer.merge_stats.server_copied_bytes == 0
+    assert writer.merge_stats.client_bytes == writer.merge_stats.total_bytes
+    local = tmp_path / "local"
+    dcp.save(sd, storage_writer=HFStorageWriter(str(local)))
+    assert _objects(direct, url) == folder_bytes(local)
+    assert _unfinished_uploads(direct, bucket) == []
+
+
 def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failure: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

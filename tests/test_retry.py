@@ -1,0 +1,108 @@
+"""``RetryPolicy``: which failures are retried, how long it waits, what it says when it gives up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hf_dcp_storage import RetryPolicy
+from hf_dcp_storage._retry import RemoteOperationError, is_transient
+
+
+class _ClientError(Exception):
+    """Shaped like botocore's ClientError: what the classifier reads is ``response``."""
+
+    def __init__(self, code: str, status: int) -> None:
+        super().__init__(f"An error occurred ({code})")
+        self.response = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+class ClientPayloadError(Exception):  # aiohttp's name for a body cut short
+    pass
+
+
+@pytest.mark.parametrize(
+    "exc,transient",
+    [
+        (_ClientError("SlowDown", 503), True),
+        (_ClientError("InternalError", 500), True),
+        (_ClientError("RequestTimeout", 400), True),
+        (_ClientError("AccessDenied", 403), False),
+        (_ClientError("NoSuchBucket", 404), False),
+        (_ClientError("NotImplemented", 501), False),
+        (ConnectionResetError(), True),
+        (TimeoutError(), True),
+        (ClientPayloadError("Response payload is not completed"), True),
+        (FileNotFoundError("x"), False),
+        (PermissionError("x"), False),
+        (ValueError("bad"), False),
+    ],
+)
+def test_classification(exc: BaseException, transient: bool) -> None:
+    assert is_transient(exc) is transient
+
+
+def _flaky(failures: list[BaseException]):
+    calls = []
+
+    def fn() -> str:
+        calls.append(1)
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    return fn, calls
+
+
+def test_transient_failures_are_retried_with_growing_jittered_sleeps() -> None:
+    fn, calls = _flaky([_ClientError("SlowDown", 503), ConnectionResetError(), ClientPayloadError()])
+    sleeps: list[float] = []
+    policy = RetryPolicy(max_attempts=4, base_delay=1.0, max_delay=3.0)
+    assert policy.call(fn, operation="GET", url="s3://b/k", sleep=sleeps.append) == "ok"
+    assert len(calls) == 4
+    assert [0 <= s <= cap for s, cap in zip(sleeps, [1.0, 2.0, 3.0])] == [True] * 3
+
+
+def test_attempts_run_out_with_a_message_naming_operation_url_and_fix() -> None:
+    fn, calls = _flaky([_ClientError("SlowDown", 503)] * 10)
+    with pytest.raises(RemoteOperationError, match=r"^UploadPart 3 s3://b/k failed after 3 attempt\(s\) over [0-9.]+ s: .*SlowDown.*raise RetryPolicy\(max_attempts=\.\.\., deadline=\.\.\.\)") as info:
+        RetryPolicy(max_attempts=3).call(fn, operation="UploadPart 3", url="s3://b/k", sleep=lambda s: None)
+    assert len(calls) == 3 and isinstance(info.value.__cause__, _ClientError)
+
+
+def test_the_deadline_bounds_total_time() -> None:
+    fn, calls = _flaky([TimeoutError()] * 10)
+    with pytest.raises(RemoteOperationError, match="failed after 1 attempt"):
+        RetryPolicy(max_attempts=10, base_delay=5.0, max_delay=5.0, deadline=0.0).call(fn, operation="GET", url="u", sleep=lambda s: None)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "exc,kind", [(_ClientError("AccessDenied", 403), PermissionError), (_ClientError("NoSuchBucket", 404), FileNotFoundError), (ValueError("no"), RemoteOperationError)]
+)
+def test_permanent_failures_are_not_retried_and_keep_their_kind(exc: BaseException, kind: type) -> None:
+    fn, calls = _flaky([exc])
+    with pytest.raises(kind, match=r"^PUT s3://b/k failed: .* \(not retried: the error is permanent\)$"):
+        RetryPolicy().call(fn, operation="PUT", url="s3://b/k", sleep=lambda s: pytest.fail("slept"))
+    assert len(calls) == 1
+
+
+def test_async_calls_retry_the_same_way() -> None:
+    failures = [ConnectionResetError(), _ClientError("SlowDown", 503)]
+
+    async def fn() -> int:
+        if failures:
+            raise failures.pop(0)
+        return 7
+
+    assert asyncio.run(RetryPolicy(base_delay=0.001).acall(fn, operation="GET", url="u")) == 7
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [({"max_attempts": 0}, r"max_attempts=0\) must be an int >= 1 \(1 = no retries\)"), ({"deadline": -1}, r"deadline=-1\) must be >= 0 seconds")],
+)
+def test_bad_policies_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RetryPolicy(**kwargs)
