@@ -265,6 +265,10 @@ class HFStorageWriter(StorageWriter):
         for name in committed:
             _fsio.remove(fs, _fsio.join(root, name))
         _fsio.remove_tree(fs, _fsio.join(root, STAGING_DIR))
+        if self._s3 is not None:
+            # Uploads a killed save left unfinished under this path: invisible, but billed.
+            for key, upload_id in self._s3.list_uploads(root.rstrip("/") + "/"):
+                self._s3.abort_upload(f"{root.split('/', 1)[0]}/{key}", upload_id)
         keep = {f.name for f in layout.files}
         for name in _fsio.list_names(fs, root):
             if SHARD_NAME_RE.match(name) and name not in keep:

@@ -211,6 +211,19 @@ def test_failed_save_aborts_its_multipart_upload(s3) -> None:
     assert _objects(url, options) == {}
 
 
+def test_a_killed_saves_unfinished_uploads_are_aborted_by_the_next_save(s3) -> None:
+    """A process killed mid-upload leaves multipart uploads no one completes or aborts; the next
+    save to that path aborts them (and leaves uploads elsewhere in the bucket alone)."""
+    bucket, options = s3
+    url = f"{bucket}/run/step_1"
+    fs = _fs(options)
+    name = bucket.removeprefix("s3://")
+    for key in ("run/step_1/.hf_dcp_staging/model-00001-of-00001.safetensors.rank00003", "run/step_1/model-00001-of-00001.safetensors", "run/step_10/other"):
+        fs.call_s3("create_multipart_upload", Bucket=name, Key=key)
+    dcp.save({"w": torch.ones(8)}, storage_writer=HFStorageWriter(url, storage_options=options))
+    assert [u["Key"] for u in fs.list_multipart_uploads(name)] == ["run/step_10/other"]
+
+
 def test_existing_checkpoint_is_refused_then_replaced_with_overwrite(s3) -> None:
     bucket, options = s3
     url = f"{bucket}/run/step_1"
