@@ -19,9 +19,10 @@ Two things make S3 consolidation cheap here:
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,8 @@ __all__ = [
     "MAX_PART_BYTES",
     "MAX_PARTS",
 ]
+
+logger = logging.getLogger(__name__)
 
 # S3's multipart rules: every part but the last holds at least 5 MiB and at most 5 GiB; an
 # upload has at most 10,000 parts.
@@ -251,10 +254,18 @@ class MultipartWriter:
             try:
                 self.close()
             except BaseException:
-                self.abort()
+                _quietly(self.abort, self.path)
                 raise
         else:
-            self.abort()
+            _quietly(self.abort, self.path)
+
+
+def _quietly(abort: Callable[[], None], path: str) -> None:
+    """Clean up after a failure without masking it: a failing abort is logged, not raised."""
+    try:
+        abort()
+    except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+        logger.warning("could not abort the multipart upload of s3://%s (%s); the next save to this path aborts it", path, exc)
 
 
 # -- server-side merge -----------------------------------------------------------------------------
@@ -400,7 +411,7 @@ def merge_object(
         etags = parallel_map(send, list(enumerate(parts, start=1)), threads)
         s3.complete_upload(out_path, upload_id, etags)
     except BaseException as exc:
-        s3.abort_upload(out_path, upload_id)
+        _quietly(lambda: s3.abort_upload(out_path, upload_id), out_path)
         if s3.server_copy and _not_implemented(exc):
             # A store without UploadPartCopy: stream the ranges through the client instead,
             # for this file and every later one.
