@@ -23,7 +23,7 @@ def url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
         fsspec.filesystem("memory").rm(root, recursive=True)
 
 
-# -- S3 (moto server on loopback) ------------------------------------------------------------------
+# -- S3 (moto and Ceph radosgw servers on loopback) -------------------------------------------------
 
 # s3fs buffers this much before it starts a multipart upload, and uploads parts at least this
 # big; 5 MiB is the smallest part S3 (and moto) accept, so a tensor over 5 MiB makes a real
@@ -64,15 +64,25 @@ def s3_storage_options(endpoint: str) -> dict:
     }
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """``http://127.0.0.1:<port>`` of a moto S3 server running in a thread of this process.
+@pytest.fixture(scope="session", params=["moto", "radosgw"])
+def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of a real S3 server on loopback, once per session per server.
 
-    Port 0 lets the OS pick a free port; the server reports the one it bound. Spawned ranks
-    reach it over loopback (they inherit the fake AWS environment set here).
+    ``moto``: moto's server in a thread of this process (port 0: the OS picks a free port).
+    ``radosgw``: Ceph's S3 gateway on a one-node cluster started by ``scripts/radosgw.sh``
+    (about 2 s); skipped, with the reason, where Ceph is not installed (``scripts/test.sh``
+    installs it when it can) or ``HF_DCP_TEST_RADOSGW=0``. Spawned ranks reach either over
+    loopback (they inherit the fake AWS environment set here).
     """
     pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
+    if request.param == "radosgw":
+        import _radosgw
+
+        reason = _radosgw.radosgw_unavailable()
+        if reason is not None:
+            pytest.skip(f"radosgw: {reason}")
+    else:
+        moto_server = pytest.importorskip("moto.server")
     import logging
 
     with pytest.MonkeyPatch.context() as mp:
@@ -80,6 +90,14 @@ def s3_endpoint() -> Iterator[str]:
             mp.setenv(name, value)
         for name in _UNSET_AWS_ENV:
             mp.delenv(name, raising=False)
+        if request.param == "radosgw":
+            # A Ceph that is installed but fails to start errors the tests (with its log tail).
+            endpoint, stop = _radosgw.start_radosgw()
+            try:
+                yield endpoint
+            finally:
+                stop()
+            return
         werkzeug_log = logging.getLogger("werkzeug")
         old_level = werkzeug_log.level
         werkzeug_log.setLevel(logging.WARNING)  # it logs every request at INFO

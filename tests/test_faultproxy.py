@@ -109,6 +109,8 @@ def test_raw_expect_chunked_keepalive(proxy, bucket, direct_fs):
     """One raw connection: a chunked PUT with ``Expect`` (100 first, then 200) stores the
     de-chunked payload; a second request on the same connection is answered (keep-alive,
     although moto closes every upstream connection)."""
+    # The raw requests are unsigned: radosgw (unlike moto) enforces the bucket's ACL.
+    direct_fs.call_s3("put_bucket_acl", Bucket=bucket, ACL="public-read-write")
     host = proxy.endpoint.removeprefix("http://")
     with socket.create_connection(("127.0.0.1", int(host.split(":")[1])), timeout=5) as s:
         f = s.makefile("rb")
