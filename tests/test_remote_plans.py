@@ -117,25 +117,38 @@ def test_without_server_copy_everything_goes_in_client_parts_of_bounded_size() -
 
 def test_coalesce_joins_adjacent_and_near_spans_only() -> None:
     assert coalesce([]) == []
-    assert coalesce([(0, 100), (100, 200), (205, 300)]) == [(0, 300)]  # gap 5 <= 10% of 95
-    assert coalesce([(0, 100), (150, 250)]) == [(0, 100), (150, 250)]  # gap 50 > 10% of 100
-    assert coalesce([(0, 100), (150, 250)], waste=0.5) == [(0, 250)]
+    assert coalesce([(0, 100), (100, 200), (205, 300)], gap_bytes=0) == [(0, 300)]  # gap 5 <= 10% of 95
+    assert coalesce([(0, 100), (150, 250)], gap_bytes=0) == [(0, 100), (150, 250)]  # gap 50 > 10% of 100
+    assert coalesce([(0, 100), (150, 250)], waste=0.5, gap_bytes=0) == [(0, 250)]
+    assert coalesce([(0, 100), (150, 250)], gap_bytes=50) == [(0, 250)]  # a gap cheaper than a request
+
+
+def test_column_shard_of_narrow_rows_is_one_request_and_of_wide_rows_one_per_row() -> None:
+    """Half of each row: 4 KiB halves (gaps far under a request's worth) -> one request of 2x the
+    bytes; 2 MiB halves -> one request per row, exactly the bytes needed."""
+    narrow = [(t, t + n) for t, _, n in chunk_runs((1024, 4096), (0, 2048), (1024, 2048), 2)]
+    assert coalesce(narrow) == [(4096, 1024 * 8192)]
+    wide = [(t, t + n) for t, _, n in chunk_runs((4, 2 * 2**20), (0, 2**20), (4, 2**20), 2)]
+    assert coalesce(wide) == wide and len(wide) == 4
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_coalesced_requests_cover_every_run_within_10_percent_extra(seed: int) -> None:
-    """Runs of a random region of a random tensor (row and column cuts): every run lies inside one
-    request, requests are disjoint and ordered, and they fetch at most 1.1x the needed bytes."""
+    """Runs of a random region of a random tensor (row and column cuts), with no gap allowance:
+    every run lies inside one request, requests are disjoint and ordered, and they fetch at most
+    1.1x the needed bytes."""
     rng = random.Random(seed)
     shape = tuple(rng.randint(1, 12) for _ in range(rng.randint(1, 3)))
     offsets = tuple(rng.randrange(d) for d in shape)
     sizes = tuple(rng.randint(1, d - o) for d, o in zip(shape, offsets))
     itemsize = rng.choice([1, 2, 4])
     spans = [(t, t + n) for t, _, n in chunk_runs(shape, offsets, sizes, itemsize)]
-    requests = coalesce(spans)
+    requests = coalesce(spans, gap_bytes=0)
     assert all(a[1] < b[0] for a, b in zip(requests, requests[1:]))
     assert all(any(s >= r0 and e <= r1 for r0, r1 in requests) for s, e in spans)
     needed = sum(e - s for s, e in spans)
     assert sum(e - s for s, e in requests) <= 1.1 * needed
     if sizes[1:] == shape[1:]:
         assert len(requests) == 1  # a row cut is contiguous: one request
+    # With the default gap allowance (1 MiB, far above these tensors) each region is one request.
+    assert len(coalesce(spans)) == 1
