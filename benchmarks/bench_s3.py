@@ -210,30 +210,26 @@ _PROJECT = [
 
 
 def project_client_fraction(spec, world: int, header_len: int = 16 << 10) -> float | None:
-    """merge_stats.client_fraction that HFStorageWriter's S3 merge planner gives for ``spec`` saved
+    """merge_stats.client_fraction that HFStorageWriter's S3 part planner gives for ``spec`` saved
     as Shard(0) on ``world`` ranks into one file: computed (not measured) with the library's own
-    ``merge_segments`` + ``plan_parts`` on the staged layout ``_write_staged`` produces (each
-    rank's chunks in output order). A rank's run shorter than S3's 5 MiB minimum part cannot be
-    copied by the server."""
+    ``plan_file_parts`` on the file's byte runs and their owners. A run of one rank shorter than
+    S3's 5 MiB minimum part is staged and gathered by the coordinator."""
     try:
-        from hf_dcp_storage._merge import StagedPiece, merge_segments
-        from hf_dcp_storage._s3 import CopyPart, plan_parts
+        from hf_dcp_storage._s3parts import GatherPart, plan_file_parts
     except ImportError:
         return None
-    pieces, pos, staged = [], header_len, [0] * world
+    runs, pos = [], header_len
     for _, shape in spec:
         row = 2 * math.prod(shape[1:])
         for r in range(world):
-            start, n = _range(shape[0], r, world)
-            if n:
-                pieces.append(StagedPiece(f"rank{r}", pos, staged[r], tuple(shape), (start,) + (0,) * (len(shape) - 1), (n, *shape[1:]), 2))
-                staged[r] += n * row
-        pos += shape[0] * row
+            _, n = _range(shape[0], r, world)
+            runs.append((pos, r, n * row))
+            pos += n * row
     try:
-        parts = plan_parts(header_len, list(merge_segments(pieces)), pos)
+        parts = plan_file_parts(header_len, runs, pos)
     except Exception:
         return None
-    return 1 - sum(p.end - p.start for p in parts if isinstance(p, CopyPart)) / pos
+    return sum(p.nbytes for p in parts if isinstance(p, GatherPart)) / pos
 
 
 def _projection_lines(spec, world: int) -> list[str]:
@@ -252,8 +248,8 @@ def _projection_lines(spec, world: int) -> list[str]:
             return []
         rows.append(f"| {name} | {total_bytes(sp) / (1 << 30):.2f} | " + " | ".join(f"{f * 100:.1f} %" for f in fr) + " |")
     return [
-        "**projected client-side consolidation bytes** (not measured: the library's merge planner run on the staged layout "
-        "of a Shard(0) save into one file, bf16; runs under S3's 5 MiB minimum part go through the client)",
+        "**projected client-side consolidation bytes** (not measured: the library's part planner run on the byte runs "
+        "of a Shard(0) save into one file, bf16; one rank's runs under S3's 5 MiB minimum part are gathered by the coordinator)",
         "",
         "| model | GiB | " + " | ".join(f"{w} ranks" for w in worlds) + " |",
         "|---|---:|" + "---:|" * len(worlds),
@@ -677,7 +673,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
             extra["merge_stats"] = {
                 "files": ms.files,
                 "total_bytes": ms.total_bytes,
-                "server_copied_bytes": ms.server_copied_bytes,
+                "rank_part_bytes": ms.rank_part_bytes,
                 "client_bytes": ms.client_bytes,
                 "client_fraction": ms.client_fraction,
             }
@@ -965,8 +961,8 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
         ms = [r["merge_stats"] for r in saves if r["contender"] == "ours" and r.get("ok") and r.get("merge_stats")]
         for i, m in enumerate(ms):
             lines.append(
-                f"- ours merge_stats (repeat {i}): files {m['files']}, total {m['total_bytes']} B, server-copied "
-                f"{m['server_copied_bytes']} B, through the client {m['client_bytes']} B = client_fraction "
+                f"- ours merge_stats (repeat {i}): files {m['files']}, total {m['total_bytes']} B, sent by the ranks "
+                f"as their own parts {m['rank_part_bytes']} B, gathered through the coordinator {m['client_bytes']} B = client_fraction "
                 f"{m['client_fraction'] * 100:.4f} %"
             )
         lines.append("")

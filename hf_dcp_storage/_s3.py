@@ -1,4 +1,4 @@
-"""S3 requests the data path makes itself: multipart uploads, server-side part copies, ranged GETs.
+"""S3 requests the data path makes itself: multipart uploads, their parts, ranged GETs.
 
 Used only when the fsspec filesystem is s3fs; every other store goes through the generic
 fsspec path in ``_fsio``. The requests go to s3fs's own botocore client (so credentials,
@@ -6,14 +6,13 @@ endpoint, region and ``s3_additional_kwargs`` such as server-side encryption are
 but each one is retried by this library's :class:`~._retry.RetryPolicy`, which knows which
 failures are transient, and fails with a message naming the operation and the object.
 
-Two things make S3 consolidation cheap here:
-
-* ``MultipartWriter`` streams a rank's staged object as a multipart upload with a few parts in
-  flight, so memory stays a few part buffers per stream.
-* ``merge_object`` builds a consolidated file as one multipart upload whose parts are mostly
-  ``UploadPartCopy`` of byte ranges of the staged objects: those bytes move inside the store
-  and never pass through the client. Only runs too small to be a part of their own (S3 parts
-  are at least 5 MiB, except the last) are downloaded and uploaded again.
+Consolidation costs almost nothing here: every consolidated file is one multipart upload
+created by the coordinator before any rank writes, and each rank uploads the parts that hold
+only its own bytes straight into it (``PartUploader``; the part plan is ``_s3parts``). Those
+bytes are sent once, by the rank that has them, and never copied or downloaded again. Only runs
+too small to be a part of their own (S3 parts hold at least 5 MiB, but the last) are staged
+(``MultipartWriter``) and gathered into parts by the coordinator, which then completes the
+upload (``complete_file``).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,27 +31,12 @@ from fsspec.asyn import sync
 
 from ._parallel import parallel_map
 from ._retry import RetryPolicy
+from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart
 
-__all__ = [
-    "S3",
-    "s3_for",
-    "MultipartWriter",
-    "CopyPart",
-    "ClientPart",
-    "plan_parts",
-    "MergeStats",
-    "MIN_PART_BYTES",
-    "MAX_PART_BYTES",
-    "MAX_PARTS",
-]
+__all__ = ["S3", "s3_for", "MultipartWriter", "PartUploader", "MergeStats", "complete_file"]
 
 logger = logging.getLogger(__name__)
 
-# S3's multipart rules: every part but the last holds at least 5 MiB and at most 5 GiB; an
-# upload has at most 10,000 parts.
-MIN_PART_BYTES = 5 << 20
-MAX_PART_BYTES = 5 << 30
-MAX_PARTS = 10_000
 # Parts a stream uploads at a time: enough to keep a connection busy while the next part fills.
 _IN_FLIGHT = 2
 
@@ -75,8 +59,6 @@ class S3:
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs = fs
         self.retry = retry
-        # Cleared the first time the store answers UploadPartCopy with 501 Not Implemented.
-        self.server_copy = True
 
     async def _once(self, method: str, kwargs: dict[str, Any]) -> Any:
         fs = self.fs
@@ -141,23 +123,6 @@ class S3:
         )
         return {"PartNumber": number, "ETag": r["ETag"]}
 
-    def copy_part(self, path: str, upload_id: str, number: int, source: str, start: int, end: int) -> dict[str, Any]:
-        """Part ``number`` of ``path`` := bytes ``[start, end)`` of object ``source``, copied by the server."""
-        bucket, key = _bucket_key(path)
-        src_bucket, src_key = _bucket_key(source)
-        r = self._call(
-            "upload_part_copy",
-            f"UploadPartCopy {number} (from s3://{source} bytes {start}-{end - 1})",
-            path,
-            Bucket=bucket,
-            Key=key,
-            UploadId=upload_id,
-            PartNumber=number,
-            CopySource={"Bucket": src_bucket, "Key": src_key},
-            CopySourceRange=f"bytes={start}-{end - 1}",
-        )
-        return {"PartNumber": number, "ETag": r["CopyPartResult"]["ETag"]}
-
     def complete_upload(self, path: str, upload_id: str, parts: Sequence[dict[str, Any]]) -> None:
         bucket, key = _bucket_key(path)
         self._call(
@@ -179,6 +144,34 @@ class S3:
         return [(u["Key"], u["UploadId"]) for u in r.get("Uploads", [])]
 
 
+class PartUploader:
+    """Uploads numbered parts of one multipart upload on a worker thread pool, at most
+    ``in_flight`` pending, so the caller fills the next part while earlier ones travel."""
+
+    def __init__(self, s3: S3, path: str, upload_id: str, in_flight: int = _IN_FLIGHT) -> None:
+        self.s3, self.path, self.upload_id, self.in_flight = s3, path, upload_id, in_flight
+        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="hf-dcp-part")
+        self._pending: deque[Future[dict[str, Any]]] = deque()
+        self.etags: list[dict[str, Any]] = []
+
+    def submit(self, number: int, data: bytes) -> None:
+        while len(self._pending) >= self.in_flight:
+            self.etags.append(self._pending.popleft().result())
+        self._pending.append(self._pool.submit(self.s3.upload_part, self.path, self.upload_id, number, data))
+
+    def wait(self) -> list[dict[str, Any]]:
+        """Every submitted part's ``{"PartNumber", "ETag"}``, once all are uploaded."""
+        while self._pending:
+            self.etags.append(self._pending.popleft().result())
+        self._pool.shutdown(wait=True)
+        return self.etags
+
+    def cancel(self) -> None:
+        for fut in self._pending:
+            fut.cancel()
+        self._pool.shutdown(wait=True)
+
+
 class MultipartWriter:
     """A write-only stream to one S3 object, uploaded in parts with a few in flight.
 
@@ -195,9 +188,8 @@ class MultipartWriter:
         self.s3, self.path, self.part_bytes = s3, path, part_bytes
         self._buf = bytearray()
         self._upload_id: str | None = None
-        self._pending: deque[Future[dict[str, Any]]] = deque()
-        self._parts: list[dict[str, Any]] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._uploader: PartUploader | None = None
+        self._parts = 0
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -207,44 +199,33 @@ class MultipartWriter:
             self._buf += view[:take]
             view = view[take:]
             if len(self._buf) == self.part_bytes:
-                self._send(bytes(self._buf))
-                self._buf.clear()
+                self._send()
         return written
 
-    def _send(self, data: bytes) -> None:
-        if self._upload_id is None:
+    def _send(self) -> None:
+        if self._uploader is None:
             self._upload_id = self.s3.create_upload(self.path)
-            self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="hf-dcp-part")
-        while len(self._pending) >= _IN_FLIGHT:
-            self._parts.append(self._pending.popleft().result())
-        assert self._pool is not None
-        number = len(self._parts) + len(self._pending) + 1
-        self._pending.append(self._pool.submit(self.s3.upload_part, self.path, self._upload_id, number, data))
+            self._uploader = PartUploader(self.s3, self.path, self._upload_id)
+        self._parts += 1
+        self._uploader.submit(self._parts, bytes(self._buf))
+        self._buf.clear()
 
     def close(self) -> None:
         """Upload what is buffered and commit the object."""
-        if self._upload_id is None:
+        if self._uploader is None:
             self.s3.put(self.path, bytes(self._buf))
             return
         if self._buf:
-            self._send(bytes(self._buf))
-        while self._pending:
-            self._parts.append(self._pending.popleft().result())
-        self._shutdown()
-        self.s3.complete_upload(self.path, self._upload_id, self._parts)
+            self._send()
+        assert self._upload_id is not None
+        self.s3.complete_upload(self.path, self._upload_id, self._uploader.wait())
 
     def abort(self) -> None:
         """Drop everything: wait for in-flight parts, then abort the upload (if one was started)."""
-        for fut in self._pending:
-            fut.cancel()
-        self._shutdown()
+        if self._uploader is not None:
+            self._uploader.cancel()
         if self._upload_id is not None:
             self.s3.abort_upload(self.path, self._upload_id)
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
     def __enter__(self) -> MultipartWriter:
         return self
@@ -268,194 +249,94 @@ def _quietly(abort: Callable[[], None], path: str) -> None:
         logger.warning("could not abort the multipart upload of s3://%s (%s); the next save to this path aborts it", path, exc)
 
 
-# -- server-side merge -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CopyPart:
-    """A part copied by the server: bytes ``[start, end)`` of staged object ``source``."""
-
-    source: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class ClientPart:
-    """A part assembled by the client from small pieces ``(source | None, start, end)``; ``None`` = header."""
-
-    pieces: tuple[tuple[str | None, int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e - s for _, s, e in self.pieces)
-
-
-def plan_parts(
-    header_len: int,
-    segments: Iterable[tuple[int, str, int, int]],
-    size: int,
-    *,
-    min_copy: int = MIN_PART_BYTES,
-    max_part: int = MAX_PART_BYTES,
-    copy: bool = True,
-) -> list[CopyPart | ClientPart]:
-    """Cut an output file into multipart parts, copying server-side every run that can be a part.
-
-    ``segments`` are ``(output_offset, source, source_offset, nbytes)`` in output order after a
-    header of ``header_len`` bytes (``_merge.merge_segments``). A run of at least ``min_copy``
-    bytes becomes copy parts; smaller runs are gathered into client parts. Every part but the
-    last holds at least ``min_copy`` bytes: a short gather in front of a copyable run takes the
-    run's first bytes to reach it, so at most ``min_copy`` bytes per such switch pass through the
-    client. Client parts grow as needed to keep the part count within S3's limit. ``copy=False``
-    (a store without ``UploadPartCopy``) gathers everything in client parts. Pure.
-    """
-    client_target = max(MIN_PART_BYTES, min_copy if copy else 0, -(-size // (MAX_PARTS // 2)))
-    parts: list[CopyPart | ClientPart] = []
-    gather: list[tuple[str | None, int, int]] = [(None, 0, header_len)] if header_len else []
-    gathered = header_len
-
-    def flush() -> None:
-        nonlocal gather, gathered
-        if gather:
-            parts.append(ClientPart(tuple(gather)))
-        gather, gathered = [], 0
-
-    for _, source, start, n in segments:
-        end = start + n
-        if copy and n >= min_copy:
-            if 0 < gathered < min_copy:
-                # Top the gather up to a valid part with the head of this run.
-                need = min_copy - gathered
-                if n - need < min_copy:
-                    gather.append((source, start, end))  # too little would be left to copy
-                    gathered += n
-                    if gathered >= client_target:
-                        flush()
-                    continue
-                gather.append((source, start, start + need))
-                start += need
-            flush()
-            count = -(-(end - start) // max_part)
-            step = -(-(end - start) // count)
-            for s in range(start, end, step):
-                parts.append(CopyPart(source, s, min(s + step, end)))
-        else:
-            # Long runs go in pieces so that a client part stays about ``client_target`` bytes.
-            while start < end:
-                take = min(end - start, client_target - gathered)
-                gather.append((source, start, start + take))
-                gathered += take
-                start += take
-                if gathered >= client_target:
-                    flush()
-    flush()
-    if len(parts) > MAX_PARTS:
-        raise ValueError(f"{len(parts)} parts exceed S3's limit of {MAX_PARTS}; lower max_shard_size")
-    return parts
+# -- consolidated files -----------------------------------------------------------------------------
 
 
 @dataclass
 class MergeStats:
-    """Bytes of consolidated files by how they got there (coordinator side)."""
+    """Bytes of consolidated files by who sent them (coordinator side, S3)."""
 
     files: int = 0
     total_bytes: int = 0
-    server_copied_bytes: int = 0
-    client_bytes: int = 0
+    rank_part_bytes: int = 0  # uploaded by the ranks straight into the files' parts
+    client_bytes: int = 0  # staged, then downloaded and re-uploaded by the coordinator
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, total: int, copied: int, client: int) -> None:
+    def add(self, total: int, gathered: int) -> None:
         with self._lock:
             self.files += 1
             self.total_bytes += total
-            self.server_copied_bytes += copied
-            self.client_bytes += client
+            self.rank_part_bytes += total - gathered
+            self.client_bytes += gathered
 
     @property
     def client_fraction(self) -> float:
         return self.client_bytes / self.total_bytes if self.total_bytes else 0.0
 
 
-def merge_object(
+def complete_file(
     s3: S3,
-    out_path: str,
+    path: str,
+    upload_id: str | None,
     header: bytes,
-    size: int,
-    segments: Iterable[tuple[int, str, int, int]],
+    parts: Sequence[RankPart | GatherPart],
+    rank_etags: Sequence[dict[str, Any]],
+    staged: Callable[[int, int, int], list[tuple[str, int, int]]],
     *,
     threads: int,
     stats: MergeStats,
-    min_copy: int = MIN_PART_BYTES,
 ) -> None:
-    """Write ``out_path`` as header + staged runs, mostly by server-side copies, parts in parallel.
+    """(coordinator) Upload the gathered parts of ``path`` and complete its multipart upload.
+
+    ``staged(rank, start, end)`` names the staged ranges ``(object path, offset, nbytes)`` that
+    hold file bytes ``[start, end)``. A one-part file has no ``upload_id``: a single PUT, here
+    if the part is gathered (a rank's own part it PUT itself). On failure the upload is aborted.
 
     Raises:
-        RuntimeError: the runs leave a hole or the total is not ``size`` (inconsistent save).
+        RuntimeError: a rank's part is missing (an inconsistent save).
     """
-    segments = _checked(out_path, len(header), size, segments)
-    parts = plan_parts(len(header), segments, size, min_copy=min_copy, copy=s3.server_copy)
-    if len(parts) == 1 and isinstance(parts[0], ClientPart):
-        s3.put(out_path, _gather(s3, header, parts[0]))  # one small file: a single PUT
-        stats.add(size, 0, size)
+    gathers = [p for p in parts if isinstance(p, GatherPart)]
+    gathered = sum(p.nbytes for p in gathers)
+    size = sum(p.nbytes for p in parts) + (len(header) if any(isinstance(p, RankPart) and p.header for p in parts) else 0)
+    if upload_id is None:  # a one-part file: its rank PUT it already, or it is gathered here
+        if gathers:
+            s3.put(path, _gather(s3, header, gathers[0], staged))
+        stats.add(size, gathered)
         return
-    upload_id = s3.create_upload(out_path)
-
-    def send(numbered: tuple[int, CopyPart | ClientPart]) -> dict[str, Any]:
-        number, part = numbered
-        if isinstance(part, CopyPart):
-            return s3.copy_part(out_path, upload_id, number, part.source, part.start, part.end)
-        return s3.upload_part(out_path, upload_id, number, _gather(s3, header, part))
-
     try:
-        etags = parallel_map(send, list(enumerate(parts, start=1)), threads)
-        s3.complete_upload(out_path, upload_id, etags)
-    except BaseException as exc:
-        _quietly(lambda: s3.abort_upload(out_path, upload_id), out_path)
-        if s3.server_copy and _not_implemented(exc):
-            # A store without UploadPartCopy: stream the ranges through the client instead,
-            # for this file and every later one.
-            s3.server_copy = False
-            merge_object(s3, out_path, header, size, segments, threads=threads, stats=stats, min_copy=min_copy)
-            return
+        expected = {p.number for p in parts if isinstance(p, RankPart)}
+        got = {e["PartNumber"] for e in rank_etags}
+        if got != expected:
+            raise RuntimeError(f"s3://{path}: parts {sorted(expected - got)} were never uploaded by their ranks")
+        etags = list(rank_etags)
+        etags += parallel_map(lambda p: s3.upload_part(path, upload_id, p.number, _gather(s3, header, p, staged)), gathers, threads)
+        s3.complete_upload(path, upload_id, sorted(etags, key=lambda e: e["PartNumber"]))
+    except BaseException:
+        _quietly(lambda: s3.abort_upload(path, upload_id), path)
         raise
-    copied = sum(p.end - p.start for p in parts if isinstance(p, CopyPart))
-    stats.add(size, copied, size - copied)
+    stats.add(size, gathered)
 
 
-def _not_implemented(exc: BaseException) -> bool:
-    """Whether ``exc`` (or its cause) is the store saying it lacks a feature (HTTP 501)."""
-    while exc is not None:
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error", {})
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if error.get("Code") in {"NotImplemented", "XNotImplemented"} or status == 501:
-                return True
-        exc = exc.__cause__  # type: ignore[assignment]
-    return False
-
-
-def _checked(out_path: str, pos: int, size: int, segments: Iterable[tuple[int, str, int, int]]) -> list[tuple[int, str, int, int]]:
-    result = []
-    for seg in segments:
-        if seg[0] != pos:
-            raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {seg[0]}; the save is inconsistent")
-        pos += seg[3]
-        result.append(seg)
-    if pos != size:
-        raise RuntimeError(f"{out_path}: merged {pos} bytes but the layout has {size}")
-    return result
-
-
-def _gather(s3: S3, header: bytes, part: ClientPart) -> bytes:
+def _gather(s3: S3, header: bytes, part: GatherPart, staged: Callable[[int, int, int], list[tuple[str, int, int]]]) -> bytes:
+    """A gathered part's bytes: header slices and staged ranges, fetched with parallel GETs."""
+    chunks: list[bytes | tuple[str, int, int]] = []
+    for rank, start, end in part.pieces:
+        if rank is None:
+            chunks.append(header[start:end])
+        else:
+            chunks.extend(staged(rank, start, end))
+    by_source: dict[str, list[tuple[int, int]]] = {}
+    for c in chunks:
+        if isinstance(c, tuple):
+            by_source.setdefault(c[0], []).append((c[1], c[1] + c[2]))
+    fetched = {src: iter(s3.get_ranges(src, ranges)) for src, ranges in by_source.items()}
     out = bytearray()
-    for source, start, end in part.pieces:
-        if source is None:
-            out += header[start:end]
-            continue
-        data = s3.get_range(source, start, end)
-        if len(data) != end - start:
-            raise RuntimeError(f"s3://{source}: staged object ends early at byte {start + len(data)}")
-        out += data
+    for c in chunks:
+        if isinstance(c, tuple):
+            data = next(fetched[c[0]])
+            if len(data) != c[2]:
+                raise RuntimeError(f"s3://{c[0]}: staged object ends early at byte {c[1] + len(data)}")
+            out += data
+        else:
+            out += c
     return bytes(out)

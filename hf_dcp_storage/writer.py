@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,10 @@ from ._layout import (
     plan_layout,
 )
 from ._parallel import parallel_map
-from ._merge import StagedPiece, merge_file, merge_segments
+from ._merge import StagedPiece, merge_file
 from ._retry import RetryPolicy
-from ._s3 import MIN_PART_BYTES, MergeStats, MultipartWriter, merge_object, s3_for
+from ._s3 import MergeStats, MultipartWriter, PartUploader, _quietly, complete_file, s3_for
+from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from ._slabs import as_bytes, slab_bounds, sub_chunk
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
@@ -55,6 +57,16 @@ class _RankPlan:
     direct: bool
     files: tuple[str, ...]
     placements: Mapping[MetadataIndex, Placement]
+    s3: _S3RankPlan | None = None
+
+
+@dataclass(frozen=True)
+class _S3RankPlan:
+    """On S3: the multipart uploads of the save, and the parts this rank uploads into them."""
+
+    uploads: Mapping[int, str]  # file index -> upload id, every file that has one (a failing rank aborts them all)
+    parts: Mapping[int, tuple[RankPart, ...]]  # file index -> this rank's parts, by start
+    headers: Mapping[int, bytes]  # file index -> header, where this rank's part carries it
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class _Written:
     file: int
     staged_offset: int | None
     crc: int
+    parts: tuple[dict[str, Any], ...] = ()  # S3: ETags of this rank's parts of the file (its last item)
 
 
 class HFStorageWriter(StorageWriter):
@@ -196,22 +209,34 @@ class HFStorageWriter(StorageWriter):
         )
         placements = place_items(layout, plans)
         direct = self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
+        s3_parts = _plan_s3_parts(layout, plans, placements) if self._s3 is not None and not direct else None
         # Step 2: I/O on the destination, still before any rank writes data.
         self._prepare_destination(layout, direct)
         self._layout = layout
         self._direct = direct
         self._items = {item.index: item for plan in plans for item in plan.items}
+        self._s3_parts = s3_parts
+        self._uploads = self._create_uploads(layout, s3_parts) if s3_parts is not None else {}
         names = tuple(f.name for f in layout.files)
-        return [
-            dataclasses.replace(plan, storage_data=_RankPlan(rank, direct, names, placed))
-            for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True))
-        ]
+        rank_plans = []
+        for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
+            s3_plan = None
+            if s3_parts is not None:
+                mine = {f: tuple(p for p in parts if isinstance(p, RankPart) and p.rank == rank) for f, parts in enumerate(s3_parts)}
+                headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
+                s3_plan = _S3RankPlan(self._uploads, {f: ps for f, ps in mine.items() if ps}, headers)
+            rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, direct, names, placed, s3_plan)))
+        return rank_plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Write this rank's bytes: in place on local disk, else staged objects."""
         rank_plan: _RankPlan = plan.storage_data
-        write = self._write_direct if rank_plan.direct else self._write_staged
-        results = write(plan.items, rank_plan, planner)
+        if rank_plan.direct:
+            results = self._write_direct(plan.items, rank_plan, planner)
+        elif rank_plan.s3 is not None:
+            results = self._write_s3(plan.items, rank_plan, planner)
+        else:
+            results = self._write_staged(plan.items, rank_plan, planner)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -224,6 +249,9 @@ class HFStorageWriter(StorageWriter):
         if self._direct:
             if _fsio.is_local(self.fs):
                 _fsio.fsync_dir(self.root)
+        elif self._s3_parts is not None:
+            self._complete_s3(layout, results)
+            _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
         else:
             self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs])
             _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
@@ -325,7 +353,7 @@ class HFStorageWriter(StorageWriter):
         def write_file(file: int) -> list[WriteResult]:
             path = self._staged_path(rank_plan.files[file], rank_plan.rank)
             # Output order, so the merge reads each staged object front to back.
-            file_items = sorted(by_file[file], key=lambda it: (rank_plan.placements[it.index].tensor_start, _chunk_offsets(it)))
+            file_items = _in_write_order(by_file[file], lambda it: rank_plan.placements[it.index].tensor_start)
             results, pos = [], 0
             size = sum(_chunk_bytes(it) for it in file_items)
             with self._staged_stream(path, size) as out:
@@ -344,6 +372,138 @@ class HFStorageWriter(StorageWriter):
             return results
 
         return [r for rs in parallel_map(write_file, sorted(by_file), self.thread_count) for r in rs]
+
+    def _create_uploads(self, layout: Layout, s3_parts: list[list[RankPart | GatherPart]]) -> dict[int, str]:
+        """(coordinator) One multipart upload per file of more than one part, before any rank writes."""
+        assert self._s3 is not None
+        uploads: dict[int, str] = {}
+        try:
+            for f, parts in enumerate(s3_parts):
+                if len(parts) > 1:  # a one-part file is a single PUT, by its rank or the coordinator
+                    uploads[f] = self._s3.create_upload(_fsio.join(self.root, layout.files[f].name))
+        except BaseException:
+            self._abort_uploads(layout.files, uploads)
+            raise
+        return uploads
+
+    def _abort_uploads(self, files: Any, uploads: Mapping[int, str]) -> None:
+        assert self._s3 is not None
+        for f, upload_id in uploads.items():
+            path = _fsio.join(self.root, files[f] if isinstance(files[f], str) else files[f].name)
+            _quietly(lambda: self._s3.abort_upload(path, upload_id), path)  # type: ignore[union-attr]
+
+    def _write_s3(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
+        """(each rank, S3) Upload the parts that hold only this rank's bytes straight into the
+        consolidated files; stage the rest. A failure aborts every upload of the save, so the
+        other ranks' next part fails too and no rank goes on writing a doomed checkpoint."""
+        s3_plan = rank_plan.s3
+        assert s3_plan is not None and self._s3 is not None
+        by_file: dict[int, list[WriteItem]] = {}
+        for item in items:
+            by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
+
+        def write_file(file: int) -> list[WriteResult]:
+            name = rank_plan.files[file]
+            parts = s3_plan.parts.get(file, ())
+            starts = [p.start for p in parts]
+            header = s3_plan.headers.get(file, b"")
+            file_items = _in_write_order(by_file[file], lambda it: rank_plan.placements[it.index].tensor_start)
+            staged_size = sum(_chunk_bytes(it) for it in file_items) - sum(p.nbytes for p in parts)
+            path = _fsio.join(self.root, name)
+            upload_id = s3_plan.uploads.get(file)
+            uploader = PartUploader(self._s3, path, upload_id) if parts and upload_id is not None else None
+            buffers: dict[int, list[Any]] = {}  # part number -> [buffer, bytes still missing]
+            results: list[WriteResult] = []
+            staged_pos = 0
+            stream = self._staged_stream(self._staged_path(name, rank_plan.rank), staged_size) if staged_size else contextlib.nullcontext()
+            try:
+                with stream as staged:
+                    for item in file_items:
+                        start = rank_plan.placements[item.index].tensor_start
+                        crc, first_staged, nbytes = CrcAccumulator(), staged_pos, 0
+                        for runs, data in _item_slabs(item, planner):
+                            nbytes += len(data)
+                            for tensor_off, chunk_off, n in runs:
+                                run = data[chunk_off : chunk_off + n]
+                                crc.update(tensor_off, run)
+                                run_start = start + tensor_off
+                                for at, take, part in route_run(run_start, n, starts, parts):
+                                    piece = run[at - run_start : at - run_start + take]
+                                    if part is None:
+                                        staged.write(piece)
+                                        staged_pos += take
+                                        continue
+                                    entry = buffers.get(part.number)
+                                    if entry is None:
+                                        lead = part.start if part.header else 0  # the header is bytes [0, start)
+                                        buf = bytearray(lead + part.nbytes)
+                                        buf[:lead] = header[:lead]
+                                        entry = buffers[part.number] = [buf, part.nbytes, lead]
+                                    buf, _, lead = entry
+                                    buf[lead + at - part.start : lead + at - part.start + take] = piece
+                                    entry[1] -= take
+                                    if entry[1] == 0:
+                                        if uploader is not None:
+                                            uploader.submit(part.number, bytes(buf))
+                                        else:  # the whole file is this one part
+                                            self._s3.put(path, bytes(buf))
+                                        del buffers[part.number]
+                        results.append(WriteResult(item.index, nbytes, _Written(file, first_staged, crc.contribution(_tensor_bytes(item)))))
+                if buffers:
+                    raise RuntimeError(f"{name}: parts {sorted(buffers)} were planned for rank {rank_plan.rank} but not filled")
+                etags = tuple(uploader.wait()) if uploader is not None else ()
+            except BaseException:
+                if uploader is not None:
+                    uploader.cancel()
+                raise
+            last = results[-1]
+            results[-1] = dataclasses.replace(last, storage_data=dataclasses.replace(last.storage_data, parts=etags))
+            return results
+
+        try:
+            return [r for rs in parallel_map(write_file, sorted(by_file), self.thread_count) for r in rs]
+        except BaseException:
+            self._abort_uploads(rank_plan.files, s3_plan.uploads)
+            raise
+
+    def _complete_s3(self, layout: Layout, results: list[list[WriteResult]]) -> None:
+        """(coordinator, S3) Gather the small runs into their parts and complete every file."""
+        assert self._s3 is not None and self._s3_parts is not None
+        etags: dict[int, list[dict[str, Any]]] = {}
+        written: dict[tuple[int, int], list[WriteItem]] = {}
+        for rank, rank_results in enumerate(results):
+            for r in rank_results:
+                etags.setdefault(r.storage_data.file, []).extend(r.storage_data.parts)
+                written.setdefault((r.storage_data.file, rank), []).append(self._items[r.index])
+        # Replay each rank's routing to learn where its staged bytes sit (nothing is sent back).
+        indexes: dict[tuple[int, int], StagedIndex] = {}
+        for (file, rank), file_items in written.items():
+            parts = tuple(p for p in self._s3_parts[file] if isinstance(p, RankPart) and p.rank == rank)
+            starts = [p.start for p in parts]
+            index = indexes[(file, rank)] = StagedIndex()
+            for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
+                td = item.tensor_data
+                assert td is not None
+                base = layout.tensor_start[item.index.fqn]
+                for t, _, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, element_size(td.properties.dtype)):
+                    for at, take, part in route_run(base + t, n, starts, parts):
+                        if part is None:
+                            index.add(at, take)
+
+        try:
+            for f, plan in enumerate(layout.files):
+
+                def staged(rank: int, start: int, end: int, name: str = plan.name, f: int = f) -> list[tuple[str, int, int]]:
+                    path = self._staged_path(name, rank)
+                    return [(path, off, n) for off, n in indexes[(f, rank)].locate(start, end)]
+
+                complete_file(
+                    self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, self._s3_parts[f],
+                    etags.get(f, []), staged, threads=self.thread_count, stats=self.merge_stats,
+                )
+        except BaseException:
+            self._abort_uploads(layout.files, self._uploads)
+            raise
 
     def _staged_stream(self, path: str, size: int) -> Any:
         """A stream for one staged object that publishes it only on a clean exit."""
@@ -376,16 +536,10 @@ class HFStorageWriter(StorageWriter):
 
         def merge_one(file: int) -> None:
             plan = layout.files[file]
-            out = _fsio.join(self.root, plan.name)
-            if self._s3 is not None:
-                # Parts of one file go in parallel; files one after another bound the memory.
-                segments = merge_segments(pieces.get(file, []))
-                merge_object(self._s3, out, plan.header, plan.size, segments, threads=self.thread_count, stats=self.merge_stats)
-            else:
-                merge_file(self.fs, out, plan.header, plan.size, pieces.get(file, []))
-                self.merge_stats.add(plan.size, 0, plan.size)
+            merge_file(self.fs, _fsio.join(self.root, plan.name), plan.header, plan.size, pieces.get(file, []))
+            self.merge_stats.add(plan.size, plan.size)
 
-        parallel_map(merge_one, range(len(layout.files)), 1 if self._s3 is not None else self.thread_count)
+        parallel_map(merge_one, range(len(layout.files)), self.thread_count)
 
 
 def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
@@ -404,6 +558,24 @@ def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterabl
         sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
         part = tensor[r0:r1] if sizes else tensor
         yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+
+
+def _in_write_order(items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]) -> list[WriteItem]:
+    """A rank's items of one file in output order; ranks and the coordinator sort alike."""
+    return sorted(items, key=lambda it: (tensor_start(it), _chunk_offsets(it)))
+
+
+def _plan_s3_parts(layout: Layout, plans: list[SavePlan], placements: list[Mapping[MetadataIndex, Placement]]) -> list[list[RankPart | GatherPart]]:
+    """Multipart parts of every file, from every rank's byte runs in it (pure)."""
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in layout.files]
+    for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
+        for item in plan.items:
+            td = item.tensor_data
+            assert td is not None
+            place = placed[item.index]
+            for t, _, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, element_size(td.properties.dtype)):
+                runs[place.file].append((place.tensor_start + t, rank, n))
+    return [plan_file_parts(len(f.header), sorted(r), f.size) for f, r in zip(layout.files, runs, strict=True)]
 
 
 def _tensor_bytes(item: WriteItem) -> int:

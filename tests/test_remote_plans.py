@@ -1,115 +1,148 @@
-"""Pure plans for remote stores (no server): S3 multipart parts of a merge, coalesced read requests."""
+"""Pure plans for remote stores (no server): S3 multipart parts the ranks fill, coalesced reads."""
 
 from __future__ import annotations
 
+import bisect
 import random
 
 import pytest
 
 from hf_dcp_storage._layout import chunk_runs
-from hf_dcp_storage._s3 import MAX_PART_BYTES, MIN_PART_BYTES, ClientPart, CopyPart, plan_parts
-
+from hf_dcp_storage._s3parts import MAX_PART_BYTES, MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from hf_dcp_storage.reader import coalesce
 
 MiB = 2**20
 
 
-def _segments(header_len: int, runs: list[tuple[str, int]]) -> tuple[list[tuple[int, str, int, int]], int]:
-    """``runs`` of ``(source, nbytes)`` laid end to end after the header; each source object is
-    filled front to back, as a rank's staged object is."""
-    segs, pos, used = [], header_len, {}
-    for source, n in runs:
-        segs.append((pos, source, used.get(source, 0), n))
-        used[source] = used.get(source, 0) + n
+def _runs(header_len: int, owners: list[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], int]:
+    """``owners`` of ``(rank, nbytes)`` laid end to end after the header -> ``(start, rank, n)`` runs."""
+    runs, pos = [], header_len
+    for rank, n in owners:
+        runs.append((pos, rank, n))
         pos += n
-    return segs, pos
+    return runs, pos
 
 
-def _bytes_of(parts, header_len: int) -> list[tuple[str | None, int, int]]:
-    """The output as ``(source, start, end)`` pieces, adjacent pieces of one source joined."""
-    out: list[tuple[str | None, int, int]] = []
-    for part in parts:
-        pieces = [(part.source, part.start, part.end)] if isinstance(part, CopyPart) else list(part.pieces)
-        for src, s, e in pieces:
-            if s == e:
+def _check(parts, runs, header_len: int, size: int, *, min_part: int = MIN_PART_BYTES) -> None:
+    """Parts are numbered 1..N in file order, all but the last hold at least ``min_part`` bytes,
+    none over 5 GiB; together they are exactly the header then every byte, each byte from the
+    rank that holds it."""
+    assert [p.number for p in parts] == list(range(1, len(parts) + 1))
+    sizes = [p.nbytes + (p.start if isinstance(p, RankPart) and p.header else 0) for p in parts]
+    assert all(n >= min_part for n in sizes[:-1]), sizes
+    assert all(n <= MAX_PART_BYTES for n in sizes)
+    run_starts = [r[0] for r in runs]
+
+    def owned_by(rank: int, start: int, end: int) -> bool:
+        i = bisect.bisect_right(run_starts, start) - 1
+        while start < end:
+            if i >= len(runs) or runs[i][0] + runs[i][2] <= start:
+                i += 1
                 continue
-            if out and out[-1][0] == src and out[-1][2] == s:
-                out[-1] = (src, out[-1][1], e)
-            else:
-                out.append((src, s, e))
-    return out
+            if runs[i][1] != rank:
+                return False
+            start = runs[i][0] + runs[i][2]
+            i += 1
+        return True
+
+    covered: list[tuple[int | None, int, int]] = []
+    for p in parts:
+        if isinstance(p, RankPart):
+            if p.header:
+                covered.append((None, 0, p.start))
+            covered.append((p.rank, p.start, p.end))
+        else:
+            covered.extend(p.pieces)
+    pos = 0
+    for rank, start, end in covered:
+        assert start == pos, (start, pos)
+        if rank is None:
+            assert (start, end) == (0, header_len)
+        else:
+            assert owned_by(rank, start, end), (rank, start, end)
+        pos = end
+    assert pos == size
 
 
-def _check(parts, segs, header_len: int, size: int, *, min_copy: int = MIN_PART_BYTES) -> None:
-    # Every part but the last is big enough; copy parts are within S3's limits.
-    sizes = [p.end - p.start if isinstance(p, CopyPart) else p.nbytes for p in parts]
-    assert all(s >= min_copy for s in sizes[:-1]), sizes
-    assert all(p.end - p.start <= MAX_PART_BYTES for p in parts if isinstance(p, CopyPart))
-    assert sum(sizes) == size
-    # Concatenated, the parts are exactly the header then every run in order.
-    expected = _bytes_of([ClientPart(((None, 0, header_len),) + tuple((src, so, so + n) for _, src, so, n in segs))], header_len)
-    assert _bytes_of(parts, header_len) == expected
-
-
-def test_big_runs_are_copied_and_the_header_part_borrows_the_first_bytes() -> None:
-    segs, size = _segments(1000, [("r0", 20 * MiB), ("r1", 20 * MiB)])
-    parts = plan_parts(1000, segs, size)
-    _check(parts, segs, 1000, size)
+def test_big_runs_are_the_ranks_own_parts_and_the_first_carries_the_header() -> None:
+    runs, size = _runs(1000, [(0, 20 * MiB), (1, 20 * MiB)])
+    parts = plan_file_parts(1000, runs, size)
+    _check(parts, runs, 1000, size)
     assert parts == [
-        ClientPart(((None, 0, 1000), ("r0", 0, 5 * MiB - 1000))),
-        CopyPart("r0", 5 * MiB - 1000, 20 * MiB),
-        CopyPart("r1", 0, 20 * MiB),
+        RankPart(1, 0, 1000, 1000 + 10 * MiB, header=True),
+        RankPart(2, 0, 1000 + 10 * MiB, 1000 + 20 * MiB),
+        RankPart(3, 1, 1000 + 20 * MiB, 1000 + 30 * MiB),
+        RankPart(4, 1, 1000 + 30 * MiB, 1000 + 40 * MiB),
     ]
 
 
-def test_small_runs_are_gathered_and_a_short_tail_is_the_last_part() -> None:
-    segs, size = _segments(100, [("r0", 6 * MiB), ("r1", 1 * MiB), ("r0", 2 * MiB), ("r1", 6 * MiB), ("r0", 100)])
-    parts = plan_parts(100, segs, size)
-    _check(parts, segs, 100, size)
-    # header + r0's 6 MiB: too little would be left after topping up, so it is gathered whole.
-    assert isinstance(parts[0], ClientPart) and parts[0].nbytes == 100 + 6 * MiB
-    # 1 + 2 MiB gathered; topping up with r1's 6 MiB run would leave 4 MiB, too short to copy.
-    assert [p.nbytes for p in parts] == [100 + 6 * MiB, 9 * MiB, 100]
-    assert all(isinstance(p, ClientPart) for p in parts)
+def test_small_runs_of_several_ranks_are_gathered_and_top_up_from_the_next_big_run() -> None:
+    runs, size = _runs(100, [(0, 8 * MiB), (0, 1000), (1, 1000), (1, 12 * MiB), (0, 300)])
+    parts = plan_file_parts(100, runs, size)
+    _check(parts, runs, 100, size)
+    # rank 0's 8 MiB + 1000 B joined: its own part, header in front; then rank 1's 1000 B plus the
+    # first bytes of its 12 MiB run make one part of rank 1 alone, so it sends that too; rank 0's
+    # last 300 B are the last part, again one rank's own.
+    assert all(isinstance(p, RankPart) for p in parts)
+    assert parts[0] == RankPart(1, 0, 100, 100 + 8 * MiB + 1000, header=True)
+    mixed, size = _runs(8, [(0, 1000), (1, 2000), (0, 6 * MiB), (1, 3000)])
+    parts = plan_file_parts(8, mixed, size)
+    _check(parts, mixed, 8, size)
+    # header + two ranks' small runs + the head of rank 0's run: gathered by the coordinator.
+    assert isinstance(parts[0], GatherPart) and parts[0].nbytes == MIN_PART_BYTES
+    assert [type(p).__name__ for p in parts] == ["GatherPart", "GatherPart"]  # too little left of the 6 MiB
 
 
-def test_a_run_over_5_gib_is_split_into_equal_copy_parts() -> None:
-    segs, size = _segments(0, [("r0", 12 * 2**30)])
-    parts = plan_parts(0, segs, size)
-    _check(parts, segs, 0, size)
-    assert [p.end - p.start for p in parts] == [4 * 2**30] * 3
+def test_long_runs_are_cut_near_16_mib_and_huge_files_keep_under_the_part_limit() -> None:
+    runs, size = _runs(0, [(0, 12 * 2**30)])
+    parts = plan_file_parts(0, runs, size)
+    _check(parts, runs, 0, size)
+    assert len(parts) == 768 and {p.nbytes for p in parts} == {16 * MiB}
+    runs, size = _runs(8, [(i % 2, MiB) for i in range(60_000)])  # 60,000 one-MiB runs, two ranks
+    parts = plan_file_parts(8, runs, size)
+    _check(parts, runs, 8, size)
+    assert len(parts) <= 5_000 and all(isinstance(p, GatherPart) for p in parts)
 
 
-def test_client_parts_grow_to_respect_the_part_limit() -> None:
-    segs, size = _segments(8, [(f"r{i % 2}", MiB) for i in range(60_000)])  # 60,000 one-MiB runs
-    parts = plan_parts(8, segs, size)
-    _check(parts, segs, 8, size)
-    assert len(parts) <= 5_000 and all(isinstance(p, ClientPart) for p in parts)
+def test_runs_that_do_not_tile_the_file_are_refused() -> None:
+    with pytest.raises(ValueError, match="byte runs jump from 10 to 11"):
+        plan_file_parts(10, [(11, 0, 5)], 16)
+    with pytest.raises(ValueError, match="byte runs end at 15, but the file has 16 bytes"):
+        plan_file_parts(10, [(10, 0, 5)], 16)
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_random_runs_tile_the_file_with_valid_parts(seed: int) -> None:
+def test_random_runs_and_their_routing_and_staged_index(seed: int) -> None:
+    """Random owners and sizes (min part 64 B): valid parts; each rank's routing sends every byte
+    it holds either into one of its parts or to its staged object; the staged index finds every
+    gathered piece at the right place of the staged object."""
     rng = random.Random(seed)
-    min_copy = 64
-    runs = [(f"r{rng.randrange(4)}", rng.choice([0, 1, 7, 40, 63, 64, 65, 100, 300, 1000])) for _ in range(rng.randrange(1, 40))]
+    min_part = 64
+    owners = [(rng.randrange(3), rng.choice([0, 1, 7, 40, 63, 64, 65, 100, 300, 1000])) for _ in range(rng.randrange(1, 40))]
     header = rng.choice([0, 8, 70])
-    segs, size = _segments(header, runs)
-    segs = [s for s in segs if s[3]]
-    parts = plan_parts(header, segs, size, min_copy=min_copy)
-    _check(parts, segs, header, size, min_copy=min_copy)
-    copied = sum(p.end - p.start for p in parts if isinstance(p, CopyPart))
-    # Client bytes: the header, the small runs, and of each copyable run less than 2 * min_copy
-    # (the head that tops up a short gather, or the whole run if too little would be left).
-    small = header + sum(n for *_, n in segs if n < min_copy)
-    assert size - copied <= small + sum(min(n, 2 * min_copy - 1) for *_, n in segs if n >= min_copy)
-
-
-def test_without_server_copy_everything_goes_in_client_parts_of_bounded_size() -> None:
-    segs, size = _segments(100, [("r0", 20 * MiB), ("r1", 3 * MiB), ("r0", 12 * MiB)])
-    parts = plan_parts(100, segs, size, copy=False)
-    _check(parts, segs, 100, size)
-    assert all(isinstance(p, ClientPart) for p in parts)
-    assert [p.nbytes for p in parts][:-1] == [5 * MiB] * (len(parts) - 1)  # memory: one part each
+    runs, size = _runs(header, owners)
+    parts = plan_file_parts(header, runs, size, min_part=min_part, rank_part=256)
+    _check(parts, runs, header, size, min_part=min_part)
+    for rank in range(3):
+        mine = [p for p in parts if isinstance(p, RankPart) and p.rank == rank]
+        starts = [p.start for p in mine]
+        staged = StagedIndex()
+        stream = bytearray()
+        for start, owner, n in runs:
+            if owner != rank:
+                continue
+            for at, take, part in route_run(start, n, starts, mine):
+                if part is None:
+                    staged.add(at, take)
+                    stream += bytes((b % 251 for b in range(at, at + take)))  # a byte pattern of the offset
+                else:
+                    assert part.start <= at and at + take <= part.end
+        for p in parts:
+            if isinstance(p, GatherPart):
+                for r, s, e in p.pieces:
+                    if r == rank:
+                        got = b"".join(bytes(stream[o : o + n]) for o, n in staged.locate(s, e))
+                        assert got == bytes(b % 251 for b in range(s, e))
 
 
 # -- coalesced ranged reads ---------------------------------------------------------------------------

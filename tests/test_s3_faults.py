@@ -74,23 +74,39 @@ def _unfinished_uploads(direct: s3fs.S3FileSystem, bucket_url: str) -> list:
     return direct.list_multipart_uploads(bucket_url.removeprefix("s3://"))
 
 
+def _save_to_s3_and_disk(rank: int, world: int, url: str, options: dict, local: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in _state_dict().items()}
+    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2)
+    dcp.save(sd, storage_writer=writer)
+    if rank == 0:  # the coordinator gathered the two ranks' small runs into one part
+        assert writer.merge_stats.client_bytes > 0 and writer.merge_stats.rank_part_bytes > 0, writer.merge_stats
+    dcp.save(sd, storage_writer=HFStorageWriter(local))
+
+
+@pytest.mark.distributed
 def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path) -> None:
+    """Two ranks save through faults on each kind of request (their parts, their staged objects,
+    the coordinator's gathering reads, creating/completing uploads, the commit), then one
+    process loads through faults on its reads: identical bytes, every fault fired."""
     proxy, bucket, options, direct = proxied
     url = f"{bucket}/run/step_1"
     sd = _state_dict()
     faults = [
-        proxy.add_fault(Fault("503", method="PUT", query_has="partNumber", times=2)),  # staged parts
-        proxy.add_fault(Fault("500", method="PUT", header_has="x-amz-copy-source", times=1)),  # server-side copy
-        proxy.add_fault(Fault("reset", method="GET", path=r"\.rank\d+$", times=2)),  # merge reads
+        proxy.add_fault(Fault("503", method="PUT", query_has="partNumber", times=2)),  # a rank's part
+        proxy.add_fault(Fault("500", method="PUT", path=r"\.rank\d+$", times=1)),  # a staged object
+        proxy.add_fault(Fault("reset", method="GET", path=r"\.rank\d+$", times=2)),  # gathering staged runs
         proxy.add_fault(Fault("truncate", method="GET", path=r"\.rank\d+$", times=1)),
         proxy.add_fault(Fault("latency", method="POST", seconds=0.3, times=2)),  # create/complete uploads
         proxy.add_fault(Fault("503", method="PUT", path=INDEX, times=1)),  # the commit
     ]
-    dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2))
-    assert [f.fired for f in faults] == [2, 1, 2, 1, 2, 1]
-    # Identical to a fault-free save on local disk.
     local = tmp_path / "local"
-    dcp.save(sd, storage_writer=HFStorageWriter(str(local)))
+    run_ranks(_save_to_s3_and_disk, 2, url, options, str(local))
+    assert [f.fired for f in faults] == [2, 1, 2, 1, 2, 1]
+    # Identical to the same save on local disk (positioned writes, no faults).
     assert _objects(direct, url) == folder_bytes(local)
     assert _unfinished_uploads(direct, bucket) == []
 
@@ -111,9 +127,10 @@ def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path) -
 def test_a_persistent_503_fails_after_the_policy_with_no_index_and_no_upload(proxied) -> None:
     proxy, bucket, options, direct = proxied
     url = f"{bucket}/run/step_1"
-    fault = proxy.add_fault(Fault("503", method="PUT", query_has="partNumber", times=None))
+    # One process, one 12 MiB file: the rank PUTs it whole, and every attempt gets a 503.
+    fault = proxy.add_fault(Fault("503", method="PUT", path=r"safetensors$", times=None))
     started = time.monotonic()
-    with raises_in_checkpoint(OSError, r"UploadPart 1 s3://.*/\.hf_dcp_staging/model-00001-of-00001\.safetensors\.rank00000 failed after 6 attempt\(s\)"):
+    with raises_in_checkpoint(OSError, r"PUT s3://.*/run/step_1/model-00001-of-00001\.safetensors failed after 6 attempt\(s\)"):
         dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY))
     assert time.monotonic() - started < 15
     assert fault.fired >= 6
@@ -131,22 +148,6 @@ def test_access_denied_fails_at_once_naming_operation_and_url(proxied) -> None:
         dcp.load({k: torch.zeros_like(v) for k, v in _state_dict().items()}, storage_reader=HFStorageReader(url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0)))
     assert time.monotonic() - started < 5  # no backoff: a permanent error is not retried
     assert fault.fired == 1
-
-
-def test_a_store_without_server_side_copy_gets_streamed_range_copies(proxied, tmp_path) -> None:
-    proxy, bucket, options, direct = proxied
-    url = f"{bucket}/run/step_1"
-    sd = _state_dict()
-    fault = proxy.add_fault(Fault("501", method="PUT", header_has="x-amz-copy-source", times=None))
-    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY)
-    dcp.save(sd, storage_writer=writer)
-    assert fault.fired == 1  # asked once, then never again
-    assert writer.merge_stats.server_copied_bytes == 0
-    assert writer.merge_stats.client_bytes == writer.merge_stats.total_bytes
-    local = tmp_path / "local"
-    dcp.save(sd, storage_writer=HFStorageWriter(str(local)))
-    assert _objects(direct, url) == folder_bytes(local)
-    assert _unfinished_uploads(direct, bucket) == []
 
 
 def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failure: bool) -> None:
