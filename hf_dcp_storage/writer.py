@@ -94,11 +94,15 @@ class HFStorageWriter(StorageWriter):
     2. (coordinator) ``prepare_global_plan``: computes the complete layout from every rank's
        write items (file of each key, headers, byte position of every chunk), refuses to replace
        a complete checkpoint unless ``overwrite=True``, and on local disk creates every file at
-       its final size with its header.
+       its final size with its header; on S3 it plans every file's multipart parts and creates
+       the uploads.
     3. (all ranks) ``write_data``: each rank writes only its own bytes. On local disk (and NFS)
        they go straight to their final place with positioned writes, so nothing is left to
-       consolidate. Elsewhere each rank streams one staged object per output file.
-    4. (coordinator) ``finish``: merges staged objects (object stores only), then writes the index.
+       consolidate. On S3 each rank uploads the parts that hold only its bytes straight into the
+       files' uploads and stages its runs under 5 MiB. Elsewhere each rank streams one staged
+       object per output file.
+    4. (coordinator) ``finish``: on S3, gathers the staged runs into their parts and completes
+       the uploads; elsewhere merges the staged objects; then writes the index.
 
     Args:
         path: a local folder or any fsspec URL (``file://``, ``memory://``, ``s3://``...); may be
@@ -114,8 +118,9 @@ class HFStorageWriter(StorageWriter):
         retry: how transient failures of remote requests are retried (S3); default
             ``RetryPolicy()``. Permanent failures (access denied, missing bucket) are not retried.
 
-    After a staged save, the coordinator's ``merge_stats`` tells how many consolidated bytes
-    the store copied itself and how many passed through this process.
+    After a save to an object store, the coordinator's ``merge_stats`` tells how many bytes of
+    the consolidated files the ranks sent as their own parts and how many the coordinator
+    gathered (downloaded from staged objects and uploaded again).
 
     Raises:
         ValueError: a bad option, naming it and the accepted values.
@@ -169,6 +174,8 @@ class HFStorageWriter(StorageWriter):
         self._layout: Layout | None = None
         self._direct = False
         self._items: dict[MetadataIndex, WriteItem] = {}
+        self._s3_parts: list[list[RankPart | GatherPart]] | None = None
+        self._uploads: dict[int, str] = {}
         self.merge_stats = MergeStats()
 
     @classmethod
