@@ -1,36 +1,46 @@
-#!/usr/bin/env python
-"""S3 benchmark: hf_dcp_storage against PyTorch's FsspecWriter/FsspecReader and raw s3fs puts, on moto.
+"""S3 benchmark: hf_dcp_storage against PyTorch's FsspecWriter/FsspecReader and raw s3fs puts,
+on moto or on Ceph radosgw (``--server``).
 
-A moto S3 server (ThreadedMotoServer on 127.0.0.1, port 0) runs in its own process, so its CPU
-use is outside the measured ranks' GIL; the ranks talk to it over loopback through s3fs. Every
-measurement runs in fresh rank processes (gloo, ``file://`` rendezvous, spawn), like
-``bench_save_load.py``.
+``--server moto`` (default): a moto S3 server (ThreadedMotoServer on 127.0.0.1, port 0) runs in
+its own process, so its CPU use is outside the measured ranks' GIL. ``--server radosgw``: a
+one-node Ceph cluster (monitor, memstore OSD, radosgw on 127.0.0.1) started by
+``tests/_radosgw.py`` (``scripts/radosgw.sh``). Either way the ranks talk to the store over
+loopback through s3fs, and the store shares the machine's cores with them. Every measurement
+runs in fresh rank processes (gloo, ``file://`` rendezvous, spawn), like ``bench_save_load.py``.
+Each run uses a bucket of its own.
 
 State dict: llama-7B dimensions (hidden 4096, intermediate 11008, MHA 32 heads) with few layers
 and a small vocab, ~512 MiB bf16 by default (vocab 8192, 1 decoder layer), HF key names. Every
 tensor is a ``Shard(0)`` DTensor on a 1-D mesh of ``--ranks`` CPU ranks (FSDP-like).
 
 Save contenders (``dcp.save`` of the same state dict; wall time = max over ranks, barrier before):
-  a  ours        HFStorageWriter("s3://bench/ours_rN") -> consolidated model-*.safetensors + index
-                 (per-rank staged multipart uploads, then a server-side UploadPartCopy merge in
-                 finish); the coordinator's writer.merge_stats is recorded
-  b  pt_fsspec   torch FsspecWriter("s3://bench/pt_fsspec_rN", **storage_options) (.distcp, not
-                 consolidated)
+  a  ours        HFStorageWriter("s3://<bucket>/ours_rN") -> consolidated model-*.safetensors +
+                 index (each rank uploads the multipart parts that hold only its own bytes
+                 straight into the consolidated file's multipart upload; runs under 5 MiB are
+                 staged and gathered into parts by the coordinator in finish, which then
+                 completes the upload); the coordinator's writer.merge_stats is recorded
+  b  pt_fsspec   torch FsspecWriter("s3://<bucket>/pt_fsspec_rN", **storage_options) (.distcp,
+                 not consolidated)
   c  raw_s3fs    each rank fs.pipe()s the bytes of its local shards, one object per tensor (the floor)
 Load contenders (``dcp.load``, wall time as above), resharded by default:
   d  ours_load       HFStorageReader of (a)'s checkpoint
   e  pt_fsspec_load  torch FsspecReader of (b)'s checkpoint
   Saved Shard(0) on N ranks; loaded into Shard(1) DTensors ("col": column shards; 1-D norms stay
-  Shard(0)) on N ranks. If a col load runs past ``--col-timeout`` (moto copies the whole object
-  on every GET, and our reader makes one ranged GET per row of a column shard) it is stopped,
-  and Shard(0) -> Shard(0) loads ("row") are measured as well.
+  Shard(0)) on N ranks. If a col load runs past ``--col-timeout`` it is stopped, and Shard(0) ->
+  Shard(0) loads ("row") are measured as well; ``--load-layouts col,row`` measures both anyway.
 
 Every load rank checks every loaded local shard bit-for-bit against the regenerated original;
 every save is read back outside the timing (ours: the consolidated files with
 ``safetensors.torch.load``; pt_fsspec: an untimed FsspecReader load; raw: the objects' bytes).
+Between contenders the previous checkpoint of the same contender is deleted (radosgw: its
+garbage collector is run at once, outside the timing), so the RAM-backed store never holds more
+than the two checkpoints kept for the loads plus the one being written.
 
-A counting WSGI middleware in the moto process records requests, bytes in/out and server-side
-copied bytes per S3 operation, and moto's own CPU seconds, around each timed call.
+Store accounting around each timed call: on moto, a counting WSGI middleware in the moto process
+records requests, bytes in/out and server-side copied bytes per S3 operation, and moto's own CPU
+seconds; on radosgw, radosgw's perf counters (admin socket: requests, GET/HEAD count and bytes
+out, PUT/UploadPart count and bytes in) and the CPU seconds of the radosgw, ceph-osd and
+ceph-mon daemons (from /proc).
 
 Run ``python benchmarks/bench_s3.py --help`` for the flags; ``--md-out FILE`` writes a markdown
 report with the raw JSON lines.
@@ -50,11 +60,15 @@ import platform
 import resource
 import shutil
 import statistics
+import subprocess
+import socket
+import struct
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +89,8 @@ from bench_save_load import (
 )
 
 DEFAULT_DATA_ROOT = HERE / "_data"  # git-ignored: rendezvous files, per-measurement results
-BUCKET = "bench"
+REPO = HERE.parent
+BUCKET_PREFIX = "bench-"  # + a random suffix: one bucket per run
 SAVE = {"a": "ours", "b": "pt_fsspec", "c": "raw_s3fs"}
 LOAD = {"d": "ours_load", "e": "pt_fsspec_load"}
 ALL = {**SAVE, **LOAD}
@@ -98,8 +113,8 @@ UNSET_AWS_ENV = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_
 
 
 def storage_options(endpoint: str, block_size: int | None) -> dict:
-    """tests/conftest.py's ``s3_storage_options``; ``default_block_size`` only when given
-    (otherwise s3fs's own default, 50 MiB, applies)."""
+    """tests/conftest.py's ``s3_storage_options`` (the same for moto and radosgw);
+    ``default_block_size`` only when given (otherwise s3fs's own default, 50 MiB, applies)."""
     opts = {
         "anon": False,
         "key": "testing",
@@ -407,15 +422,117 @@ def moto_main(conn, tmpdir: str) -> None:
 def moto_stats(endpoint: str) -> dict | None:
     try:
         with urllib.request.urlopen(endpoint + STATS_PATH, timeout=30) as r:
-            return json.load(r)
+            return {"kind": "moto", **json.load(r)}
     except Exception:
         return None
 
 
+# ------------------------------------------------------------------------------------------------
+# radosgw (Ceph) accounting: perf counters over the admin socket, daemons' CPU from /proc
+# ------------------------------------------------------------------------------------------------
+
+# radosgw's "rgw" perf counters kept: requests; GET/HEAD object requests ("get" counts HEAD too)
+# and the bytes sent; PutObject/UploadPart requests and the bytes received; requests in progress.
+RGW_COUNTERS = ("req", "get", "get_b", "put", "put_b", "qactive")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _asok(path: str, cmd: dict, timeout: float = 10.0) -> dict:
+    """One command on a Ceph admin socket: the JSON command and a NUL out; a 4-byte big-endian
+    length and the JSON answer back."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(json.dumps(cmd).encode() + b"\0")
+        head = b""
+        while len(head) < 4:
+            c = s.recv(4 - len(head))
+            if not c:
+                raise OSError("admin socket closed")
+            head += c
+        n = struct.unpack(">I", head)[0]
+        buf = bytearray()
+        while len(buf) < n:
+            c = s.recv(min(1 << 16, n - len(buf)))
+            if not c:
+                raise OSError("admin socket closed")
+            buf += c
+    return json.loads(buf)
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of a process, in seconds (its threads included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def _proc_rss_mib(pid: int) -> int | None:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) // 1024
+    return None
+
+
+def radosgw_stats(srv: dict) -> dict:
+    out: dict = {"kind": "radosgw", "cpu_by": {}, "rss_mib": {}}
+    for name, pid in srv["pids"].items():
+        cpu = _proc_cpu_s(pid)
+        if cpu is not None:
+            out["cpu_by"][name] = cpu
+            out["rss_mib"][name] = _proc_rss_mib(pid)
+    out["cpu_s"] = sum(out["cpu_by"].values())
+    if srv.get("rgw_asok"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            d = _asok(srv["rgw_asok"], {"prefix": "perf dump"})["rgw"]
+            out["rgw"] = {k: d.get(k, 0) for k in RGW_COUNTERS}
+    return out
+
+
+def osd_used_bytes(srv: dict) -> int | None:
+    """Bytes the memstore OSD reports in use (its statfs; refreshed by the OSD every few s)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return int(_asok(srv["osd_asok"], {"prefix": "perf dump"})["osd"]["stat_bytes_used"])
+    return None
+
+
+def server_stats(srv: dict | None) -> dict | None:
+    """A snapshot of the store's counters (moto: per-operation accounting; radosgw: perf
+    counters and daemon CPU), or None where there is none."""
+    if not srv:
+        return None
+    if srv["kind"] == "moto":
+        return moto_stats(srv["endpoint"]) if srv.get("counting") else None
+    return radosgw_stats(srv)
+
+
 def stats_delta(a: dict | None, b: dict | None) -> dict | None:
-    """Requests/bytes/CPU between two snapshots of the moto process."""
+    """Requests/bytes/CPU between two snapshots of the store."""
     if not a or not b:
         return None
+    if b.get("kind") == "radosgw":
+        out: dict = {
+            "server_cpu_s": round(b["cpu_s"] - a["cpu_s"], 3),
+            "server_cpu_by": {k: round(v - a["cpu_by"].get(k, 0.0), 3) for k, v in b["cpu_by"].items()},
+            "server_rss_mib": b["rss_mib"],
+            "server_copied": None,  # not counted on radosgw
+        }
+        ra, rb = a.get("rgw"), b.get("rgw")
+        if ra and rb:
+            d = {k: rb[k] - ra[k] for k in ("req", "get", "get_b", "put", "put_b")}
+            out.update(
+                requests=d["req"], bytes_in=d["put_b"], bytes_out=d["get_b"],
+                ops={
+                    "GetObject/HeadObject": {"requests": d["get"], "bytes_in": 0, "bytes_out": d["get_b"], "copied": 0, "busy_s": None},
+                    "PutObject/UploadPart": {"requests": d["put"], "bytes_in": d["put_b"], "bytes_out": 0, "copied": 0, "busy_s": None},
+                    "other": {"requests": d["req"] - d["get"] - d["put"], "bytes_in": 0, "bytes_out": 0, "copied": 0, "busy_s": None},
+                },
+            )
+        return out
     ops = {}
     for op, row in b["ops"].items():
         old = a["ops"].get(op, [0, 0, 0, 0, 0.0])
@@ -427,8 +544,8 @@ def stats_delta(a: dict | None, b: dict | None) -> dict | None:
         "bytes_in": sum(o["bytes_in"] for o in ops.values()),
         "bytes_out": sum(o["bytes_out"] for o in ops.values()),
         "server_copied": sum(o["copied"] for o in ops.values()),
-        "moto_cpu_s": round(b["cpu_s"] - a["cpu_s"], 3),
-        "moto_rss_mib": b.get("rss_mib"),
+        "server_cpu_s": round(b["cpu_s"] - a["cpu_s"], 3),
+        "server_rss_mib": b.get("rss_mib"),
         "ops": ops,
     }
 
@@ -438,7 +555,7 @@ def stats_delta(a: dict | None, b: dict | None) -> dict | None:
 # ------------------------------------------------------------------------------------------------
 
 
-# Steps around which the moto counters are read too (they run on the coordinator only, so the
+# Steps around which the store's counters are read too (they run on the coordinator only, so the
 # counts are the step's own).
 _SNAP = ("finish",)
 
@@ -451,8 +568,8 @@ def _timed(cls, names):
         orig = getattr(cls, name)
 
         def method(self, *a, **kw):
-            endpoint = self.__dict__.get("bench_endpoint") if name in _SNAP else None
-            s0 = moto_stats(endpoint) if endpoint else None
+            srv = self.__dict__.get("bench_srv") if name in _SNAP else None
+            s0 = server_stats(srv)
             t0 = time.perf_counter()
             try:
                 return orig(self, *a, **kw)
@@ -460,7 +577,7 @@ def _timed(cls, names):
                 t = self.__dict__.setdefault("bench_t", {})
                 t[name] = t.get(name, 0.0) + time.perf_counter() - t0
                 if s0 is not None:  # what the store did during this step (coordinator-only steps)
-                    self.__dict__.setdefault("bench_moto", {})[name] = stats_delta(s0, moto_stats(endpoint))
+                    self.__dict__.setdefault("bench_server", {})[name] = stats_delta(s0, server_stats(srv))
 
         return method
 
@@ -492,16 +609,18 @@ def _writer(name: str, url: str, cfg: dict):
     if name == "ours":
         from hf_dcp_storage import HFStorageWriter
 
-        cls = _timed(HFStorageWriter, ["prepare_global_plan", "write_data", "finish", "_merge"])
+        # _complete_s3: the coordinator's part of finish on S3 (gather the staged small runs into
+        # their parts, upload those, CompleteMultipartUpload); _merge: the non-S3 staged path.
+        cls = _timed(HFStorageWriter, ["prepare_global_plan", "write_data", "finish", "_complete_s3", "_merge"])
         w = cls(url, storage_options=opts, max_shard_size=cfg["max_shard_size"], **kw)
-        w.bench_endpoint = cfg["endpoint"]
+        w.bench_srv = cfg["server"]
         return w
     if name == "pt_fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         cls = _timed(FsspecWriter, ["prepare_global_plan", "write_data", "finish"])
         w = cls(url, **kw, **opts)
-        w.bench_endpoint = cfg["endpoint"]
+        w.bench_srv = cfg["server"]
         return w
     raise ValueError(name)
 
@@ -642,7 +761,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
     gc.collect()
     gc.disable()
     dist.barrier()
-    s0 = moto_stats(cfg["endpoint"]) if rank == 0 else None
+    s0 = server_stats(cfg["server"]) if rank == 0 else None
     win = CallWindow()
     win.start()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -657,7 +776,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
     t_wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     mem = win.stop()
-    s1 = moto_stats(cfg["endpoint"]) if rank == 0 else None
+    s1 = server_stats(cfg["server"]) if rank == 0 else None
     gc.enable()
 
     extra: dict = {"cpu_s": round(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime, 3)}
@@ -665,9 +784,9 @@ def rank_main(rank: int, world: int, job: dict) -> None:
     if phases:
         extra["phases"] = {k: round(v, 3) for k, v in phases.items()}
     if rank == 0:
-        extra["moto"] = stats_delta(s0, s1)
-        if getattr(handle, "bench_moto", None):
-            extra["moto_steps"] = handle.bench_moto
+        extra["server"] = stats_delta(s0, s1)
+        if getattr(handle, "bench_server", None):
+            extra["server_steps"] = handle.bench_server
         ms = getattr(handle, "merge_stats", None)
         if ms is not None:
             extra["merge_stats"] = {
@@ -744,6 +863,8 @@ def _run_ranks(job: dict, world: int, call_timeout: float | None, hard_timeout: 
 class Runner:
     def __init__(self, args, work: Path, spec, cfg, fs) -> None:
         self.args, self.work, self.spec, self.cfg, self.fs = args, work, spec, cfg, fs
+        self.srv = cfg["server"]
+        self.bucket = cfg["bucket"]
         self.records: list[dict] = []
         self.seq = 0
         self.jsonl = open(work / "results.jsonl", "a")
@@ -756,13 +877,37 @@ class Runner:
         self.records.append(rec)
 
     def _settle(self) -> None:
-        """Wait until moto has no request in progress (after ranks were killed mid-request)."""
-        deadline = time.time() + 300
+        """Wait until the store has no request in progress (after ranks were killed mid-request)."""
+        deadline = time.time() + (300 if self.srv["kind"] == "moto" else 60)
         while time.time() < deadline:
-            s = moto_stats(self.cfg["endpoint"])
-            if not s or s["inflight"] == 0:
+            s = server_stats(self.srv)
+            if not s:
+                return
+            if s["kind"] == "moto" and s["inflight"] == 0:
+                return
+            # radosgw's qactive reads 1 on an idle gateway here: compare with its idle reading
+            if s["kind"] == "radosgw" and (s.get("rgw") or {}).get("qactive", 0) <= self.srv.get("qactive_idle", 0):
                 return
             time.sleep(0.5)
+
+    def remove(self, url: str) -> None:
+        """Delete everything under ``url`` (outside any timing); on radosgw also run its garbage
+        collector now, so deleted multipart data leaves the RAM-backed OSD before the next
+        measurement rather than being collected by radosgw during one."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(url.removeprefix("s3://"), recursive=True)
+        self.collect_garbage()
+
+    def collect_garbage(self) -> None:
+        if self.srv["kind"] != "radosgw":
+            return
+        state = self.srv["state"]
+        with contextlib.suppress(Exception):
+            subprocess.run(
+                ["radosgw-admin", "-c", f"{state}/ceph.conf", "-n", "client.rgw", "--log-file", f"{state}/log/radosgw-admin.log",
+                 "--admin-socket", "", "gc", "process", "--include-all"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False,
+            )
 
     def measure(self, name: str, *, repeat: int, phase: str, url: str, layout: str = "row", call_timeout: float | None = None) -> dict:
         self.seq += 1
@@ -773,21 +918,21 @@ class Runner:
             "spec": self.spec,
             "url": url,
             "layout": layout,
-            "scratch_url": f"s3://{BUCKET}/_warmup/{tag}",
+            "scratch_url": f"s3://{self.bucket}/_warmup/{tag}",
             "rdzv": str(self.work / f"rdzv_{tag}"),
             "result": str(self.work / f"result_{tag}.json"),
             "t0_file": str(self.work / f"t0_{tag}"),
         }
         rec = {"phase": phase, "contender": name, "repeat": repeat, "layout": layout, "ranks": self.args.ranks, "url": url}
-        s0 = moto_stats(self.cfg["endpoint"])
+        s0 = server_stats(self.srv)
         t_start = time.time()
         try:
             per_rank = _run_ranks(job, self.args.ranks, call_timeout, self.args.hard_timeout)
         except CallTimeout as exc:
-            s1 = moto_stats(self.cfg["endpoint"])
+            s1 = server_stats(self.srv)
             self._settle()
             rec.update(ok=False, timed_out=True, error=str(exc), time_s=None, timeout_s=call_timeout,
-                       moto_until_kill=stats_delta(s0, s1), process_s=round(time.time() - t_start, 1))
+                       server_until_kill=stats_delta(s0, s1), process_s=round(time.time() - t_start, 1))
             self.emit(rec)
             return rec
         except Exception as exc:
@@ -800,7 +945,8 @@ class Runner:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(p)
             with contextlib.suppress(Exception):
-                self.fs.rm(job["scratch_url"], recursive=True)
+                self.fs.rm(job["scratch_url"].removeprefix("s3://"), recursive=True)
+            self.collect_garbage()
 
         def mx(k):
             vals = [r[k] for r in per_rank if r.get(k) is not None]
@@ -818,15 +964,18 @@ class Runner:
             cpu_s_ranks=round(sum(r.get("cpu_s", 0) for r in per_rank), 2),
             verified=(n_bad == 0) if checked else None,
             verify_bad=[k for r in per_rank for k in r.get("verify_bad", [])][:5],
-            moto=r0.get("moto"),
-            moto_steps=r0.get("moto_steps"),
+            server=r0.get("server"),
+            server_steps=r0.get("server_steps"),
             merge_stats=r0.get("merge_stats"),
             phases=[r.get("phases") for r in per_rank],
-            per_rank=[{k: v for k, v in r.items() if k not in ("moto", "moto_steps", "merge_stats", "phases")} for r in per_rank],
+            per_rank=[{k: v for k, v in r.items() if k not in ("server", "server_steps", "merge_stats", "phases")} for r in per_rank],
             process_s=round(time.time() - t_start, 1),
         )
         if phase == "save":
             rec["stored"] = self._stored(url)
+        if self.srv["kind"] == "radosgw":
+            used = osd_used_bytes(self.srv)
+            rec["osd_used_mib"] = None if used is None else round(used / MiB)
         self.emit(rec)
         return rec
 
@@ -840,12 +989,12 @@ class Runner:
             out["bytes"] = sum(v["size"] for v in found.values())
             out["staging_left"] = sum(1 for k in found if "/.hf_dcp_staging/" in k)
         with contextlib.suppress(Exception):
-            r = self.fs.call_s3("list_multipart_uploads", Bucket=BUCKET)
+            r = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket)
             out["open_uploads"] = len(r.get("Uploads", []))
         return out
 
     def probe_gets(self, url: str, n: int = 5) -> dict:
-        """Time single 4 KiB ranged GETs: on moto each costs a full copy of the object."""
+        """Time single 4 KiB ranged GETs (on moto each costs a full copy of the object)."""
         root = url.removeprefix("s3://")
         out = {}
         with contextlib.suppress(Exception):

@@ -123,12 +123,25 @@ class S3:
         )
         return {"PartNumber": number, "ETag": r["ETag"]}
 
-    def complete_upload(self, path: str, upload_id: str, parts: Sequence[dict[str, Any]]) -> None:
+    def complete_upload(self, path: str, upload_id: str, parts: Sequence[dict[str, Any]], size: int | None = None) -> None:
+        """Complete an upload. If a retry finds the upload gone because an earlier attempt did
+        complete it (its answer was lost), an object of ``size`` bytes at ``path`` counts as done."""
         bucket, key = _bucket_key(path)
-        self._call(
-            "complete_multipart_upload", "CompleteMultipartUpload", path,
-            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)},
-        )
+        try:
+            self._call(
+                "complete_multipart_upload", "CompleteMultipartUpload", path,
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)},
+            )
+        except FileNotFoundError:
+            if size is None or self._size(path) != size:
+                raise
+
+    def _size(self, path: str) -> int | None:
+        bucket, key = _bucket_key(path)
+        try:
+            return int(self._call("head_object", "HEAD", path, Bucket=bucket, Key=key)["ContentLength"])
+        except FileNotFoundError:
+            return None
 
     def abort_upload(self, path: str, upload_id: str) -> None:
         bucket, key = _bucket_key(path)
@@ -310,7 +323,7 @@ def complete_file(
             raise RuntimeError(f"s3://{path}: parts {sorted(expected - got)} were never uploaded by their ranks")
         etags = list(rank_etags)
         etags += parallel_map(lambda p: s3.upload_part(path, upload_id, p.number, _gather(s3, header, p, staged)), gathers, threads)
-        s3.complete_upload(path, upload_id, sorted(etags, key=lambda e: e["PartNumber"]))
+        s3.complete_upload(path, upload_id, sorted(etags, key=lambda e: e["PartNumber"]), size)
     except BaseException:
         _quietly(lambda: s3.abort_upload(path, upload_id), path)
         raise
