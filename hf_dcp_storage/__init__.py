@@ -9,8 +9,9 @@
 
 from .planner import HFLoadPlanner, HFSavePlanner
 from ._retry import RetryPolicy
+from .manager import CheckpointManager
 from .reader import HFStorageReader
 from .writer import HFStorageWriter
 
-__all__ = ["HFStorageWriter", "HFStorageReader", "HFSavePlanner", "HFLoadPlanner", "RetryPolicy"]
+__all__ = ["HFStorageWriter", "HFStorageReader", "HFSavePlanner", "HFLoadPlanner", "RetryPolicy", "CheckpointManager"]
 __version__ = "0.1.0"

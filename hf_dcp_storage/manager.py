@@ -1,0 +1,333 @@
+"""``CheckpointManager``: step checkpoints on any store, keep-last-N retention, exact resume.
+
+Layout of a run folder::
+
+    root/step_{N}/model-0000k-of-0000M.safetensors   the weights: a consolidated HF checkpoint
+    root/step_{N}/model.safetensors.index.json       (loadable by transformers as it is)
+    root/step_{N}/training_state/                     optimizer tensors etc. (HF safetensors, resharded
+                                                      on load) and one JSON per rank (other values, RNG)
+    root/step_{N}/COMMITTED                           written last: the step is complete
+
+Call sequence: every rank constructs the manager with the same arguments and calls ``save`` /
+``load`` / ``prune`` / ``latest`` / ``all_checkpoints`` at the same points (they use collectives
+when ``torch.distributed`` is initialized). Rank 0 alone lists, prunes and commits; its decisions
+are broadcast, so every rank sees the same answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from . import _fsio
+from ._retry import RetryPolicy
+from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
+from ._trainstate import capture_rng, join, restore_rng, split
+from .reader import HFStorageReader
+from .writer import HFStorageWriter
+
+__all__ = ["CheckpointManager", "TRAINING_STATE_DIR"]
+
+TRAINING_STATE_DIR = "training_state"
+
+
+class CheckpointManager:
+    """Save every N steps, keep the last few, resume exactly from the newest complete one.
+
+    Args:
+        root: the run folder, a local path or any fsspec URL (``s3://bucket/run1``).
+        keep_last_n: complete steps kept by retention (the newest is always kept).
+        keep_every: also keep, forever, every complete step that is a multiple of this.
+        storage_options: passed to fsspec.
+        max_shard_size, thread_count, retry: passed to ``HFStorageWriter`` / ``HFStorageReader``.
+        overwrite: let ``save`` replace a complete step of the same number (else refused).
+
+    Raises:
+        ValueError: a bad retention setting, naming it.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last_n: int = 3,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        max_shard_size: int | str = "5GB",
+        thread_count: int = 4,
+        retry: RetryPolicy | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        self.policy = RetentionPolicy(keep_last_n, keep_every)
+        self.storage_options = storage_options
+        self.fs, self.root = _fsio.resolve(root, storage_options)
+        self.url = _fsio.url_of(self.fs, self.root)
+        self._io = {"storage_options": storage_options, "thread_count": thread_count, "retry": retry}
+        self.max_shard_size = max_shard_size
+        self.overwrite = overwrite
+        self._in_flight: tuple[int, Future[int]] | None = None
+        self._async_groups: tuple[Any, Any] | None = None
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def all_checkpoints(self) -> list[int]:
+        """(all ranks) Complete steps, ascending."""
+        return self._broadcast(sorted(s for s, done in self._list_steps().items() if done) if self._rank == 0 else None)
+
+    def latest(self) -> int | None:
+        """(all ranks) The newest complete step, or ``None``."""
+        steps = self.all_checkpoints()
+        return steps[-1] if steps else None
+
+    # -- save ---------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        model_state_dict: Mapping[str, Any],
+        training_state: Mapping[str, Any] | None = None,
+        *,
+        async_save: bool = False,
+    ) -> Future[int] | None:
+        """(all ranks) Save step ``step``: weights, training state and every rank's RNG states.
+
+        The step becomes visible (``latest``) only once everything is written and rank 0 has
+        written the commit marker; retention runs right after. With ``async_save`` the call
+        returns once the tensors are staged (copied), and the returned future resolves to
+        ``step`` after the commit; a later ``save``/``load`` waits for it first.
+
+        Raises:
+            ValueError: a bad step, or ranks disagreeing on it.
+            TypeError: a training-state value that is neither a tensor nor JSON, before anything
+                is written.
+            FileExistsError: the step is already complete and ``overwrite`` is off.
+        """
+        name = step_name(step)
+        self.wait()
+        # Everything that can be refused is checked before the first byte is written.
+        values = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in (training_state or {}).items()}
+        tensors, tree = split(values)
+        payload = json.dumps({"values": tree, "rng": capture_rng()}, allow_nan=False).encode()
+        agreed = self._broadcast(step if self._rank == 0 else None)
+        if agreed != step:
+            raise ValueError(f"rank {self._rank} saves step {step} but rank 0 saves step {agreed}; all ranks must save the same step")
+        refusal = self._broadcast(self._clear_step(step) if self._rank == 0 else None)
+        if refusal:
+            raise FileExistsError(refusal)
+        self._barrier()  # the folder is clear before anyone writes into it
+
+        folder = _fsio.join(self.root, name)
+        state_folder = _fsio.join(folder, TRAINING_STATE_DIR)
+        if _fsio.is_local(self.fs):
+            self.fs.makedirs(state_folder, exist_ok=True)
+        _fsio.write_atomic(self.fs, _fsio.join(state_folder, _rank_file(self._rank)), payload)
+        # Writers and readers take URLs: a bare path of a remote store would mean local disk.
+        model_writer = HFStorageWriter(self._url(folder), max_shard_size=self.max_shard_size, **self._io)
+        state_writer = HFStorageWriter(self._url(state_folder), max_shard_size=self.max_shard_size, **self._io) if tensors else None
+        if not async_save:
+            dcp.save(dict(model_state_dict), storage_writer=model_writer)
+            if state_writer is not None:
+                dcp.save(tensors, storage_writer=state_writer)
+            self._barrier()
+            if self._rank == 0:
+                self._commit(step)
+            self.prune()
+            return None
+        return self._save_async(step, model_state_dict, tensors, model_writer, state_writer)
+
+    def wait(self) -> None:
+        """Block until an async save in flight is committed (re-raising its error, if any)."""
+        if self._in_flight is not None:
+            _, fut = self._in_flight
+            try:
+                fut.result()
+            finally:
+                self._in_flight = None
+
+    def _save_async(self, step: int, model_state_dict: Mapping[str, Any], tensors: dict[str, torch.Tensor], model_writer: HFStorageWriter, state_writer: HFStorageWriter | None) -> Future[int]:
+        # Each background save gets a process group of its own: collectives of two threads, or
+        # of a thread and the training loop, must never share one.
+        groups = self._groups()
+        pending = [_upload_future(dcp.async_save(dict(model_state_dict), storage_writer=model_writer, process_group=groups[0]))]
+        if state_writer is not None:
+            pending.append(_upload_future(dcp.async_save(tensors, storage_writer=state_writer, process_group=groups[1])))
+        done: Future[int] = Future()
+
+        def finish() -> None:
+            try:
+                for fut in pending:
+                    fut.result()
+                if self._rank == 0:
+                    # Rank 0's saves return after their commit, i.e. after every rank's bytes.
+                    self._commit(step)
+                    self._prune_local(in_flight=())
+                done.set_result(step)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                done.set_exception(exc)
+
+        threading.Thread(target=finish, name=f"hf-dcp-commit-step-{step}", daemon=True).start()
+        self._in_flight = (step, done)
+        return done
+
+    # -- load ---------------------------------------------------------------------------------
+
+    def load(
+        self,
+        model_state_dict: MutableMapping[str, Any],
+        training_state: MutableMapping[str, Any] | None = None,
+        step: int | None = None,
+    ) -> int:
+        """(all ranks) Load a complete step (the newest when ``step`` is None) in place; returns it.
+
+        Weights and training-state tensors reshard onto the current layout. ``Stateful`` entries
+        get ``load_state_dict``; plain entries of ``training_state`` are replaced by the saved
+        values; this rank's RNG states are restored last (with another world size, rank ``r``
+        takes the saved rank ``r % saved_world_size``).
+
+        Raises:
+            FileNotFoundError: no complete step (or not ``step``) in the run folder.
+            KeyError: a training-state entry the checkpoint does not hold.
+        """
+        self.wait()
+        steps = self.all_checkpoints()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"{self.url}: no complete step checkpoint to load (step_N folders with {COMMIT_MARKER})")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(f"{self.url}: step {step} is not a complete checkpoint here; complete steps: {steps}")
+        folder = _fsio.join(self.root, step_name(step))
+        reader_io = {"storage_options": self.storage_options, "thread_count": self._io["thread_count"], "retry": self._io["retry"]}
+        dcp.load(model_state_dict, storage_reader=HFStorageReader(self._url(folder), **reader_io))
+        if training_state is not None:
+            marker = json.loads(self.fs.cat_file(_fsio.join(folder, COMMIT_MARKER)))
+            state_folder = _fsio.join(folder, TRAINING_STATE_DIR)
+            saved = json.loads(self.fs.cat_file(_fsio.join(state_folder, _rank_file(self._rank % marker["world_size"]))))
+            self._load_training_state(training_state, saved["values"], self._url(state_folder), reader_io)
+            restore_rng(saved["rng"])
+        self._barrier()
+        return step
+
+    def _load_training_state(self, training_state: MutableMapping[str, Any], tree: dict[str, Any], folder: str, reader_io: dict[str, Any]) -> None:
+        missing = [k for k in training_state if k not in tree]
+        if missing:
+            raise KeyError(f"training state {missing} is not in the checkpoint, which holds {sorted(tree)}")
+        current, _ = split({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in training_state.items()})
+        wanted = _tensor_keys({k: tree[k] for k in training_state})
+        dest: dict[str, torch.Tensor] = {}
+        if wanted:
+            reader = HFStorageReader(folder, **reader_io)
+            meta = reader.read_metadata().state_dict_metadata
+            for key in wanted:
+                # A destination this process does not have yet (e.g. optimizer state before the
+                # first step) is loaded whole, as a plain tensor.
+                dest[key] = current[key] if key in current else torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
+            dcp.load(dest, storage_reader=HFStorageReader(folder, **reader_io))
+        for key, obj in training_state.items():
+            value = join(tree[key], dest)
+            if isinstance(obj, Stateful):
+                obj.load_state_dict(value)
+            else:
+                training_state[key] = value
+
+    # -- retention ------------------------------------------------------------------------------
+
+    def prune(self) -> list[int]:
+        """(all ranks) Apply retention; returns the removed steps (rank 0 removes, all agree)."""
+        in_flight = [self._in_flight[0]] if self._in_flight is not None else []
+        return self._broadcast(self._prune_local(in_flight) if self._rank == 0 else None)
+
+    def _prune_local(self, in_flight: list[int] | tuple[int, ...]) -> list[int]:
+        removed = to_remove(self._list_steps(), self.policy, in_flight)
+        for s in removed:
+            _fsio.remove_tree(self.fs, _fsio.join(self.root, step_name(s)))
+        return removed
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _list_steps(self) -> dict[int, bool]:
+        """step -> complete?, for every ``step_N`` folder (rank 0)."""
+        steps = {}
+        for name in _fsio.list_names(self.fs, self.root):
+            s = parse_step(name)
+            if s is not None:
+                steps[s] = _fsio.exists(self.fs, _fsio.join(self.root, name, COMMIT_MARKER))
+        return steps
+
+    def _clear_step(self, step: int) -> str | None:
+        """(rank 0) Make the step's folder empty, or say why not (a complete step, no overwrite)."""
+        status = self._list_steps().get(step)
+        folder = _fsio.join(self.root, step_name(step))
+        if status and not self.overwrite:
+            return (
+                f"{_fsio.url_of(self.fs, folder)} is already a complete checkpoint; pass "
+                f"CheckpointManager(..., overwrite=True) to replace it, or save another step"
+            )
+        if status is not None:
+            # The marker goes first: from here on the step is incomplete, never half-replaced.
+            _fsio.remove(self.fs, _fsio.join(folder, COMMIT_MARKER))
+            _fsio.remove_tree(self.fs, folder)
+        return None
+
+    def _url(self, path: str) -> str:
+        return _fsio.url_of(self.fs, path)
+
+    def _commit(self, step: int) -> None:
+        marker = {"step": step, "world_size": self._world, "saved_at": time.time(), "format": 1}
+        _fsio.write_atomic(self.fs, _fsio.join(self.root, step_name(step), COMMIT_MARKER), json.dumps(marker).encode())
+
+    def _groups(self) -> tuple[Any, Any]:
+        if self._async_groups is None:
+            if dist.is_available() and dist.is_initialized():
+                self._async_groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+            else:
+                self._async_groups = (None, None)
+        return self._async_groups
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def _world(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _broadcast(self, value: Any) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def _tensor_keys(tree: Any) -> list[str]:
+    if isinstance(tree, list):
+        return [k for v in tree for k in _tensor_keys(v)]
+    if not isinstance(tree, dict):
+        return []
+    if "__tensor__" in tree:
+        return [tree["__tensor__"]]
+    return [k for v in tree.values() for k in _tensor_keys(v)]
+
+
+def _upload_future(response: Any) -> Future[Any]:
+    """The future that resolves when an ``async_save`` has written everything."""
+    return getattr(response, "upload_completion", response)
