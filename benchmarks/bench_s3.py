@@ -59,10 +59,10 @@ import os
 import platform
 import resource
 import shutil
-import statistics
-import subprocess
 import socket
+import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -208,11 +208,26 @@ def expected_local(key: str, shape, rank: int, world: int, layout: str) -> torch
     return original_full(key, shape, world).narrow(dim, start, n)
 
 
-def col_get_count(spec, world: int) -> int:
-    """GETs one rank's HFStorageReader makes for a col load: one per row of every 2-D tensor (its
-    column half of a row is one byte run; the gap to the next row's run is as long as the run,
-    far above the reader's 10 % coalescing allowance), one per 1-D tensor."""
-    return sum(s[0] if len(s) >= 2 else 1 for _, s in spec)
+def col_get_count(spec, world: int, rank: int = 0) -> int:
+    """Ranged GETs rank ``rank``'s HFStorageReader makes for a col load (not verify mode), from
+    the library's own slab cutting and request coalescing: per slab of the destination, the
+    column runs of its rows joined into requests. Falls back to one GET per row if those
+    helpers are not importable."""
+    try:
+        from hf_dcp_storage._slabs import slab_bounds
+        from hf_dcp_storage.reader import coalesce
+    except ImportError:
+        return sum(s[0] if len(s) >= 2 else 1 for _, s in spec)
+    n_req = 0
+    for _, shape in spec:
+        if len(shape) < 2:
+            n_req += 1
+            continue
+        c0, n = _range(shape[1], rank, world)
+        row = 2 * math.prod(shape[1:])
+        for r0, r1 in slab_bounds((shape[0], n), 2):
+            n_req += len(coalesce([(r * row + 2 * c0, r * row + 2 * (c0 + n)) for r in range(r0, r1)]))
+    return n_req
 
 
 # Shapes for the consolidation projection: (name, vocab, hidden, intermediate, kv features, layers).
@@ -1022,8 +1037,33 @@ def _fmt_b(n) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
+def _ops_desc(ops: dict, server: str) -> str:
+    def busy(o):
+        return o.get("busy_s") or 0.0
+
+    return ", ".join(
+        f"{op} {o['requests']}" + (f" ({_fmt_b(o['bytes_in'])} in)" if o["bytes_in"] > MiB else "")
+        + (f" ({_fmt_b(o['bytes_out'])} out)" if o["bytes_out"] > MiB else "")
+        + (f" ({_fmt_b(o['copied'])} copied)" if o["copied"] else "")
+        + (f" [{server} busy {o['busy_s']:.1f} s]" if o.get("busy_s") is not None else "")
+        for op, o in sorted(ops.items(), key=lambda kv: (-busy(kv[1]), -kv[1]["requests"]))
+    )
+
+
+def _paired(rows: list[dict], a: str, b: str) -> list[float]:
+    """a/b per repeat, for the repeats where both ran (contenders of one repeat run back to back)."""
+    by = {(r["contender"], r["repeat"]): r["time_s"] for r in rows if r.get("ok")}
+    return [by[(a, k)] / by[(b, k)] for (n, k) in sorted(by) if n == a and (b, k) in by]
+
+
+def _f(x, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def summarize(records: list[dict], cfg: dict, spec) -> str:
     size = cfg["size_bytes"]
+    kind = cfg["server"]["kind"]
+    cpu_col = "moto CPU s" if kind == "moto" else "rgw+osd+mon CPU s"
     lines: list[str] = []
     saves = [r for r in records if r.get("phase") == "save"]
     loads = [r for r in records if r.get("phase") == "load"]
@@ -1031,13 +1071,22 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
     def med(rows, n):
         return _median([r["time_s"] for r in rows if r["contender"] == n and r.get("ok")])
 
+    def med_max_rank(ok, step):
+        """Median over repeats of the slowest rank's time in ``step``."""
+        return _median([max((p or {}).get(step, 0) for p in r["phases"]) if any(r["phases"]) else None for r in ok if r.get("phases")])
+
+    def med_coord(ok, step):
+        return _median([(r["phases"][0] or {}).get(step) for r in ok if r.get("phases")])
+
     # ---- saves ----
     if saves:
         smed = {n: med(saves, n) for n in SAVE.values()}
         lines += [
-            "**save** (`dcp.save`, Shard(0) state dict, wall s = max over ranks)",
+            "**save** (`dcp.save`, Shard(0) state dict, wall s = max over ranks; every column but 'runs' and "
+            "'extra peak RSS' (max of the repeats) is a median over the repeats)",
             "",
-            f"| contender | median s | runs s | MB/s | × {SAVE_REF} | × {SAVE_FLOOR} | write_data s (max rank) | finish s (coordinator) | of which merge s | rank CPU s (sum) | moto CPU s (of which in finish) | extra peak RSS/rank MiB | verified |",
+            f"| contender | median s | runs s | MB/s | × {SAVE_REF} | × {SAVE_FLOOR} | write_data s (slowest rank) | finish s (coordinator) "
+            f"| of which _complete_s3 s | rank CPU s (sum) | {cpu_col} (of which in finish) | extra peak RSS/rank MiB | verified |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for n in SAVE.values():
@@ -1047,26 +1096,24 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
             ok = [r for r in rows if r.get("ok")]
             m = smed[n]
             runs = ", ".join(f"{r['time_s']:.2f}" if r.get("ok") else "FAILED" for r in rows)
-            ph = [p for r in ok for p in (r.get("phases") or []) if p]
-            wd = max((p.get("write_data", 0) for p in ph), default=None)
-            fin = _median([(r["phases"][0] or {}).get("finish") for r in ok if r.get("phases")])
-            mer = _median([(r["phases"][0] or {}).get("_merge") for r in ok if r.get("phases")])
-            moto_cpu = _median([(r.get("moto") or {}).get("moto_cpu_s") for r in ok])
-            moto_fin = _median([((r.get("moto_steps") or {}).get("finish") or {}).get("moto_cpu_s") for r in ok])
-            if moto_cpu is not None and moto_fin is not None:
-                moto_cpu = f"{moto_cpu:.1f} ({moto_fin:.1f})"
+            wd = med_max_rank(ok, "write_data")
+            fin, cpl = med_coord(ok, "finish"), med_coord(ok, "_complete_s3")
+            scpu = _median([(r.get("server") or {}).get("server_cpu_s") for r in ok])
+            sfin = _median([((r.get("server_steps") or {}).get("finish") or {}).get("server_cpu_s") for r in ok])
+            scpu_s = "-" if scpu is None else f"{scpu:.1f}" + ("" if sfin is None else f" ({sfin:.1f})")
             lines.append(
                 f"| {n} | {m:.2f} | {runs} | {size / m / 1e6:.0f} | "
                 f"{(m / smed[SAVE_REF]) if (m and smed.get(SAVE_REF)) else float('nan'):.2f} | "
                 f"{(m / smed[SAVE_FLOOR]) if (m and smed.get(SAVE_FLOOR)) else float('nan'):.2f} | "
-                f"{'-' if wd is None else f'{wd:.2f}'} | {'-' if fin is None else f'{fin:.2f}'} | {'-' if mer is None else f'{mer:.2f}'} | "
-                f"{_median([r.get('cpu_s_ranks') for r in ok]) or 0:.1f} | {moto_cpu if moto_cpu is not None else '-'} | "
+                f"{_f(wd)} | {_f(fin)} | {_f(cpl)} | "
+                f"{_median([r.get('cpu_s_ranks') for r in ok]) or 0:.1f} | {scpu_s} | "
                 f"{max((r.get('rss_extra_mib') or 0) for r in ok):.0f} | {'yes' if all(r.get('verified') for r in ok) else 'NO'} |"
                 if m else f"| {n} | FAILED | {runs} | | | | | | | | | | |"
             )
         lines.append("")
+        counted = "counted in the moto process" if kind == "moto" else "radosgw perf counters (PUT/UploadPart bodies in, GET bodies out)"
         lines += [
-            "**bytes moved during the timed save** (counted in the moto process; last repeat)",
+            f"**bytes moved during the timed save** ({counted}; last repeat)",
             "",
             "| contender | client→server | server→client | server-side copied (UploadPartCopy) | requests | stored after | objects | open multipart uploads |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -1076,36 +1123,24 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
             if not ok:
                 continue
             r = ok[-1]
-            mo, st = r.get("moto") or {}, r.get("stored") or {}
+            mo, st = r.get("server") or {}, r.get("stored") or {}
             lines.append(
                 f"| {n} | {_fmt_b(mo.get('bytes_in'))} | {_fmt_b(mo.get('bytes_out'))} | {_fmt_b(mo.get('server_copied'))} | "
                 f"{mo.get('requests', '-')} | {_fmt_b(st.get('bytes'))} | {st.get('objects', '-')} | {st.get('open_uploads', '-')} |"
             )
         lines.append("")
-        lines.append("Requests by S3 operation (last repeat): ")
+        lines.append("Requests by S3 operation (last repeat" + ("" if kind == "moto" else "; radosgw's counters: GET counts HEAD too") + "):")
         lines.append("")
         for n in SAVE.values():
             ok = [r for r in saves if r["contender"] == n and r.get("ok")]
-            if ok and ok[-1].get("moto"):
-                ops = ok[-1]["moto"]["ops"]
-                desc = ", ".join(
-                    f"{op} {o['requests']}" + (f" ({_fmt_b(o['bytes_in'])} in)" if o["bytes_in"] > MiB else "")
-                    + (f" ({_fmt_b(o['bytes_out'])} out)" if o["bytes_out"] > MiB else "")
-                    + (f" ({_fmt_b(o['copied'])} copied)" if o["copied"] else "")
-                    + f" [moto busy {o['busy_s']:.1f} s]"
-                    for op, o in sorted(ops.items(), key=lambda kv: -kv[1]["busy_s"])
-                )
-                lines.append(f"- {n}: {desc}")
-                fin = (ok[-1].get("moto_steps") or {}).get("finish")
-                if fin:
-                    desc = ", ".join(
-                        f"{op} {o['requests']}" + (f" ({_fmt_b(o['bytes_in'])} in)" if o["bytes_in"] > MiB else "")
-                        + (f" ({_fmt_b(o['bytes_out'])} out)" if o["bytes_out"] > MiB else "")
-                        + (f" ({_fmt_b(o['copied'])} copied)" if o["copied"] else "")
-                        + f" [moto busy {o['busy_s']:.1f} s]"
-                        for op, o in sorted(fin["ops"].items(), key=lambda kv: -kv[1]["busy_s"])
+            if ok and (ok[-1].get("server") or {}).get("ops"):
+                lines.append(f"- {n}: {_ops_desc(ok[-1]['server']['ops'], kind)}")
+                fin = (ok[-1].get("server_steps") or {}).get("finish")
+                if fin and fin.get("ops") is not None:
+                    lines.append(
+                        f"  - of which in `finish` (coordinator; {cpu_col.removesuffix(' s')} {fin['server_cpu_s']:.1f} s): "
+                        f"{_ops_desc(fin['ops'], kind)}"
                     )
-                    lines.append(f"  - of which in `finish` (coordinator; moto CPU {fin['moto_cpu_s']:.1f} s): {desc}")
         lines.append("")
         ms = [r["merge_stats"] for r in saves if r["contender"] == "ours" and r.get("ok") and r.get("merge_stats")]
         for i, m in enumerate(ms):
@@ -1120,6 +1155,7 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
 
     # ---- loads ----
     if loads:
+        gets_col = "GETs" if kind == "moto" else "GET+HEAD"
         for layout in ("col", "row"):
             sub = [r for r in loads if r.get("layout") == layout]
             if not sub:
@@ -1133,7 +1169,8 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
             lines += [
                 title,
                 "",
-                f"| contender | median s | runs s | MB/s | × {LOAD_REF} | read_metadata s | read_data s (max rank) | GETs | server→client | moto CPU s | rank CPU s (sum) | extra peak RSS/rank MiB | verified |",
+                f"| contender | median s | runs s | MB/s | × {LOAD_REF} | read_metadata s | read_data s (slowest rank) | {gets_col} | "
+                f"server→client | {cpu_col} | rank CPU s (sum) | extra peak RSS/rank MiB | verified |",
                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             ]
             for n in LOAD.values():
@@ -1148,46 +1185,51 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
                 m = med(sub, n)
                 if not ok:
                     tr = [r for r in rows if r.get("timed_out")]
-                    mo = (tr[0].get("moto_until_kill") or {}) if tr else {}
+                    mo = (tr[0].get("server_until_kill") or {}) if tr else {}
                     gets = sum(o["requests"] for op, o in mo.get("ops", {}).items() if op.startswith("GetObject"))
                     lines.append(
                         f"| {n} | > {tr[0]['timeout_s']:.0f} | {runs} | < {size / tr[0]['timeout_s'] / 1e6:.1f} | "
                         f"> {(tr[0]['timeout_s'] / ref) if ref else float('nan'):.1f} | - | - | {gets} done when stopped | "
-                        f"{_fmt_b(mo.get('bytes_out'))} | {mo.get('moto_cpu_s', '-')} | - | - | - |"
+                        f"{_fmt_b(mo.get('bytes_out'))} | {mo.get('server_cpu_s', '-')} | - | - | - |"
                         if tr else f"| {n} | FAILED | {runs} | | | | | | | | | | |"
                     )
                     continue
-                ph = [p for r in ok for p in (r.get("phases") or []) if p]
-                rm = max((p.get("read_metadata", 0) for p in ph), default=None)
-                rd = max((p.get("read_data", 0) for p in ph), default=None)
-                mo = ok[-1].get("moto") or {}
-                gets = sum(o["requests"] for op, o in mo.get("ops", {}).items() if op.startswith("GetObject"))
+                rm, rd = med_max_rank(ok, "read_metadata"), med_max_rank(ok, "read_data")
+                mo = ok[-1].get("server") or {}
+                gets = sum(o["requests"] for op, o in mo.get("ops", {}).items() if op.startswith("GetObject")) if mo.get("ops") else "-"
+                scpu = _median([(r.get("server") or {}).get("server_cpu_s") for r in ok])
                 lines.append(
                     f"| {n} | {m:.2f} | {runs} | {size / m / 1e6:.0f} | {(m / ref) if ref else float('nan'):.2f} | "
-                    f"{'-' if rm is None else f'{rm:.2f}'} | {'-' if rd is None else f'{rd:.2f}'} | {gets} | {_fmt_b(mo.get('bytes_out'))} | "
-                    f"{mo.get('moto_cpu_s', '-')} | {_median([r.get('cpu_s_ranks') for r in ok]) or 0:.1f} | "
+                    f"{_f(rm)} | {_f(rd)} | {gets} | {_fmt_b(mo.get('bytes_out'))} | "
+                    f"{_f(scpu, '.1f')} | {_median([r.get('cpu_s_ranks') for r in ok]) or 0:.1f} | "
                     f"{max((r.get('rss_extra_mib') or 0) for r in ok):.0f} | {'yes' if all(r.get('verified') for r in ok) else 'NO'} |"
                 )
+            lines.append(f"({gets_col} and server→client: last repeat)")
             lines.append("")
     probes = [r for r in records if r.get("phase") == "probe"]
     for p in probes:
         if p.get("get_4k_s_median") is not None:
             lines.append(
                 f"- probe: one 4 KiB ranged GET of `{p['object']}` ({_fmt_b(p['object_bytes'])}) takes "
-                f"{p['get_4k_s_median'] * 1000:.0f} ms on this moto (median of {len(p['runs'])}); "
-                f"ours' col load needs {p['col_gets_per_rank']} GETs per rank ({p['col_gets_per_rank'] * p['world']} in all), "
-                f"about {p['col_eta_s'] / 3600:.1f} h at that rate with requests serialised in moto"
+                f"{p['get_4k_s_median'] * 1000:.0f} ms on this {kind} (median of {len(p['runs'])}); "
+                f"ours' col load makes about {p['col_gets_per_rank']} GETs per rank ({p['col_gets_per_rank'] * p['world']} in all), "
+                f"about {p['col_eta_s'] / 60:.1f} min at that rate with requests serialised"
             )
     failed = [r for r in records if r.get("ok") is False and not r.get("timed_out")]
     for r in failed:
         lines.append(f"- FAILED: {r.get('phase')} {r.get('contender')} ({r.get('layout')}) repeat {r.get('repeat')}: {r.get('error')}")
 
     # ---- targets ----
+    def ratio_line(what: str, rows: list[dict], a_name: str, b_name: str, a: float, b: float) -> str:
+        pr = _paired(rows, a_name, b_name)
+        paired = f"; per repeat {', '.join(f'{x:.2f}' for x in pr)}" if len(pr) > 1 else ""
+        return f"- {what} = {a / b:.2f} (ratio of medians{paired}; target ≤ 1.0): {'met' if a / b <= 1.0 else 'MISSED'}"
+
     t: list[str] = []
     if saves:
         a, b = med(saves, "ours"), med(saves, SAVE_REF)
         if a and b:
-            t.append(f"- save: ours / FsspecWriter = {a / b:.2f} (target ≤ 1.0): {'met' if a / b <= 1.0 else 'MISSED'}")
+            t.append(ratio_line("save: ours / FsspecWriter", saves, "ours", SAVE_REF, a, b))
     for layout in ("col", "row"):
         sub = [r for r in loads if r.get("layout") == layout]
         if not sub:
@@ -1195,7 +1237,7 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
         a, b = med(sub, "ours_load"), med(sub, LOAD_REF)
         lbl = "resharded Shard(0)->Shard(1)" if layout == "col" else "same sharding Shard(0)->Shard(0)"
         if a and b:
-            t.append(f"- load ({lbl}): ours / FsspecReader = {a / b:.2f} (target ≤ 1.0): {'met' if a / b <= 1.0 else 'MISSED'}")
+            t.append(ratio_line(f"load ({lbl}): ours / FsspecReader", sub, "ours_load", LOAD_REF, a, b))
         elif b:
             tr = [r for r in sub if r["contender"] == "ours_load" and r.get("timed_out")]
             if tr:
@@ -1226,6 +1268,8 @@ def parse_args(argv=None):
     p.add_argument("--max-shard-size", default="5GB", help="HFStorageWriter max_shard_size (default 5GB: one file)")
     p.add_argument("--block-size-mb", type=float, default=None,
                    help="s3fs default_block_size in MiB (default: not set, i.e. s3fs's own 50 MiB)")
+    p.add_argument("--server", choices=("moto", "radosgw"), default="moto",
+                   help="the S3 store: moto (default; its own process) or radosgw (a one-node Ceph cluster, tests/_radosgw.py)")
     p.add_argument("--moto-tmp", default=None, help="where moto spills objects (default: a folder in /dev/shm if writable)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="RSS sampling period of the ranks in ms (0: off)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny save/load before each measurement")
@@ -1244,6 +1288,73 @@ def _start_moto(tmpdir: str):
         raise SystemExit("moto server did not start within 120 s")
     host, port, counting = parent.recv()
     return proc, parent, f"http://{host}:{port}", counting
+
+
+def start_server(args, size: int, work: Path) -> tuple[dict, dict, object]:
+    """Start the store: (srv for the counters, facts for the report, stop())."""
+    if args.server == "moto":
+        shm = Path("/dev/shm")
+        if args.moto_tmp:
+            moto_tmp = Path(tempfile.mkdtemp(prefix="bench_s3_moto_", dir=args.moto_tmp))
+        elif shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 * size + (1 << 30):
+            moto_tmp = Path(tempfile.mkdtemp(prefix="bench_s3_moto_", dir=shm))
+        else:
+            moto_tmp = work / "moto_tmp"
+            moto_tmp.mkdir()
+        proc, conn, endpoint, counting = _start_moto(str(moto_tmp))
+
+        def stop() -> None:
+            with contextlib.suppress(Exception):
+                conn.send("stop")
+            proc.join(15)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            shutil.rmtree(moto_tmp, ignore_errors=True)
+
+        srv = {"kind": "moto", "endpoint": endpoint, "counting": counting}
+        facts = {"moto": _version("moto"), "moto_pid": proc.pid, "moto_tmp": str(moto_tmp), "moto_request_accounting": counting}
+        return srv, facts, stop
+
+    # radosgw: the tests' helper (scripts/radosgw.sh): mon + memstore OSD + radosgw on 127.0.0.1
+    tests = str(REPO / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import _radosgw
+
+    reason = _radosgw.radosgw_unavailable()
+    if reason is not None:
+        raise SystemExit(f"--server radosgw: {reason}")
+    # A short state folder: Ceph's admin sockets (the perf counters) need paths under 108 bytes.
+    state = tempfile.mkdtemp(prefix="hf-dcp-rgw-bench-")
+    endpoint, stop = _radosgw.start_radosgw(state)
+    run = Path(state, "run")
+    pids = {}
+    for name in ("rgw", "osd", "mon"):
+        with contextlib.suppress(OSError, ValueError):
+            pids[name] = int(Path(run, f"{name}.pid").read_text().strip())
+    rgw_asok, osd_asok = run / "client.rgw.asok", run / "osd.0.asok"
+    srv = {
+        "kind": "radosgw",
+        "endpoint": endpoint,
+        "state": state,
+        "pids": pids,
+        "rgw_asok": str(rgw_asok) if rgw_asok.exists() else None,
+        "osd_asok": str(osd_asok) if osd_asok.exists() else None,
+    }
+    s = radosgw_stats(srv)
+    srv["qactive_idle"] = (s.get("rgw") or {}).get("qactive", 0)
+    version = "?"
+    with contextlib.suppress(Exception):
+        version = subprocess.run(["radosgw", "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+    memstore = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(state, "ceph.conf").read_text().splitlines():
+            if line.strip().startswith("memstore device bytes"):
+                memstore = int(line.split("=", 1)[1])
+    facts = {"ceph": version, "radosgw_state": state, "radosgw_pids": pids, "memstore_device_bytes": memstore,
+             "radosgw_perf_counters": s.get("rgw") is not None}
+    return srv, facts, stop
 
 
 def main(argv=None) -> int:
@@ -1270,25 +1381,30 @@ def main(argv=None) -> int:
 
     DEFAULT_DATA_ROOT.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_s3_", dir=DEFAULT_DATA_ROOT))
-    shm = Path("/dev/shm")
-    if args.moto_tmp:
-        moto_tmp = Path(tempfile.mkdtemp(prefix="bench_s3_moto_", dir=args.moto_tmp))
-    elif shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 * size + (1 << 30):
-        moto_tmp = Path(tempfile.mkdtemp(prefix="bench_s3_moto_", dir=shm))
-    else:
-        moto_tmp = work / "moto_tmp"
-        moto_tmp.mkdir()
+    srv, facts, stop_server = start_server(args, size, work)
+    try:
+        return _run(args, t_start, save_names, load_names, d, spec, size, work, srv, facts)
+    finally:
+        stop_server()
+        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            DEFAULT_DATA_ROOT.rmdir()
 
-    moto_proc, moto_conn, endpoint, counting = _start_moto(str(moto_tmp))
+
+def _run(args, t_start, save_names, load_names, d, spec, size, work, srv, facts) -> int:
+    endpoint = srv["endpoint"]
     block = int(args.block_size_mb * MiB) if args.block_size_mb else None
     opts = storage_options(endpoint, block)
     import s3fs
 
+    bucket = BUCKET_PREFIX + uuid.uuid4().hex[:12]
     fs = s3fs.S3FileSystem(**opts)
-    fs.mkdir(BUCKET)
+    fs.mkdir(bucket)
     cpu = os.cpu_count() or 1
     cfg = {
         "endpoint": endpoint,
+        "server": srv,
+        "bucket": bucket,
         "opts": opts,
         "threads": args.threads,
         "max_shard_size": args.max_shard_size,
@@ -1306,7 +1422,6 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "s3fs": _version("s3fs"),
         "fsspec": _version("fsspec"),
-        "moto": _version("moto"),
         "botocore": _version("botocore"),
         "aiobotocore": _version("aiobotocore"),
         "safetensors": _version("safetensors"),
@@ -1315,10 +1430,10 @@ def main(argv=None) -> int:
         "cpus": cpu,
         "cpu_model": _cpu_model(),
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1),
+        "server": srv["kind"],
         "endpoint": endpoint,
-        "moto_pid": moto_proc.pid,
-        "moto_tmp": str(moto_tmp),
-        "moto_request_accounting": counting,
+        "bucket": bucket,
+        **facts,
         "s3fs_default_block_size": getattr(fs, "default_block_size", None),
         "storage_options": {k: v for k, v in opts.items() if k not in ("key", "secret")},
         "dims": {**d.__dict__, "heads": d.heads},
@@ -1336,20 +1451,19 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             order = save_names if rep % 2 == 0 else save_names[::-1]
             for name in order:
-                url = f"s3://{BUCKET}/{name}_r{rep}"
+                url = f"s3://{bucket}/{name}_r{rep}"
+                if name in keep:  # this contender's previous checkpoint goes first: the store holds at most 3
+                    runner.remove(keep.pop(name))
                 rec = runner.measure(name, repeat=rep, phase="save", url=url)
                 if name in ("ours", "pt_fsspec") and rec.get("ok") and rec.get("verified") is not False:
-                    if name in keep:
-                        fs.rm(keep[name].removeprefix("s3://"), recursive=True)
-                    keep[name] = url
+                    keep[name] = url  # kept for the loads
                 else:
-                    with contextlib.suppress(FileNotFoundError):
-                        fs.rm(url.removeprefix("s3://"), recursive=True)
+                    runner.remove(url)
         if load_names:
             src = {"ours_load": "ours", "pt_fsspec_load": "pt_fsspec"}
             for reader, writer in src.items():  # a reader without its contender's save: save untimed
                 if reader in load_names and writer not in keep:
-                    url = f"s3://{BUCKET}/{writer}_prepare"
+                    url = f"s3://{bucket}/{writer}_prepare"
                     rec = runner.measure(writer, repeat=-1, phase="prepare", url=url)
                     if rec.get("ok"):
                         keep[writer] = url
@@ -1389,15 +1503,7 @@ def main(argv=None) -> int:
         if args.md_out:
             _write_md(args.md_out, env, table, work / "results.jsonl", elapsed)
         with contextlib.suppress(Exception):
-            moto_conn.send("stop")
-        moto_proc.join(15)
-        if moto_proc.is_alive():
-            moto_proc.kill()
-            moto_proc.join()
-        shutil.rmtree(moto_tmp, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            DEFAULT_DATA_ROOT.rmdir()
+            fs.rm(bucket, recursive=True)
     return 0 if all(r.get("ok", True) or r.get("timed_out") for r in runner.records) and all(
         r.get("verified") is not False for r in runner.records
     ) else 1
@@ -1414,14 +1520,29 @@ def _cpu_model() -> str:
 def _write_md(path: str, env: dict, table: str, jsonl: Path, elapsed: float) -> None:
     d = env["dims"]
     bs = env["s3fs_default_block_size"]
+    if env["server"] == "moto":
+        title = "moto S3 on loopback"
+        versions = f"moto {env['moto']}"
+        machine = (
+            f"moto server (ThreadedMotoServer, 127.0.0.1, own process, objects spilled to "
+            f"`{env['moto_tmp'].rsplit('/', 1)[0]}`) shares the {env['cpus']} cores with the ranks"
+        )
+    else:
+        title = "Ceph radosgw on loopback"
+        versions = env.get("ceph", "ceph ?")
+        ms = env.get("memstore_device_bytes")
+        machine = (
+            f"one-node Ceph cluster from `scripts/radosgw.sh` (ceph-mon, one memstore OSD"
+            f"{f' of {ms / (1 << 30):.0f} GiB' if ms else ''} keeping objects in RAM, radosgw with the beast frontend; "
+            f"127.0.0.1, no auth, pool size 1) shares the {env['cpus']} cores with the ranks"
+        )
     head = [
-        f"# bench_s3: {env['size_mib']} MiB bf16, {env['args']['ranks']} ranks, moto S3 on loopback, {env['cpus']} CPUs",
+        f"# bench_s3: {env['size_mib']} MiB bf16, {env['args']['ranks']} ranks, {title}, {env['cpus']} CPUs",
         "",
         f"- date {env['date']}; python {env['python']}, torch {env['torch']}, s3fs {env['s3fs']} (fsspec {env['fsspec']}, "
-        f"aiobotocore {env['aiobotocore']}, botocore {env['botocore']}), moto {env['moto']}, safetensors {env['safetensors']}, "
+        f"aiobotocore {env['aiobotocore']}, botocore {env['botocore']}), {versions}, safetensors {env['safetensors']}, "
         f"hf_dcp_storage {env['hf_dcp_storage']} (git {env['git']})",
-        f"- machine: {env['cpus']} × {env['cpu_model']}, {env['mem_gib']} GiB RAM; moto server (ThreadedMotoServer, 127.0.0.1, "
-        f"own process, objects spilled to `{env['moto_tmp'].rsplit('/', 1)[0]}`) shares the {env['cpus']} cores with the ranks",
+        f"- machine: {env['cpus']} × {env['cpu_model']}, {env['mem_gib']} GiB RAM; {machine}",
         f"- model: llama-7B widths (hidden {d['hidden']}, intermediate {d['inter']}, MHA {d['heads']} heads), vocab {d['vocab']}, "
         f"{d['layers']} layer(s) -> {env['tensors']} tensors, {env['size_bytes']} bytes; saved as Shard(0) DTensors",
         f"- s3fs storage options: {json.dumps(env['storage_options'])}; default_block_size "
