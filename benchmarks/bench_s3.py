@@ -40,7 +40,10 @@ Store accounting around each timed call: on moto, a counting WSGI middleware in 
 records requests, bytes in/out and server-side copied bytes per S3 operation, and moto's own CPU
 seconds; on radosgw, radosgw's perf counters (admin socket: requests, GET/HEAD count and bytes
 out, PUT/UploadPart count and bytes in) and the CPU seconds of the radosgw, ceph-osd and
-ceph-mon daemons (from /proc).
+ceph-mon daemons (from /proc). Each measurement also records the CPU that anything else on the
+machine used during its timed call (``other_cpu_s``: /proc/stat busy time minus the ranks' and
+the store's CPU), so results taken next to other jobs show as such. At the end, untimed, one
+4 KiB and one 16 MiB ranged GET of ours' file are probed (5 each): what a request costs here.
 
 Run ``python benchmarks/bench_s3.py --help`` for the flags; ``--md-out FILE`` writes a markdown
 report with the raw JSON lines.
@@ -493,6 +496,16 @@ def _proc_rss_mib(pid: int) -> int | None:
     return None
 
 
+def sys_busy_s() -> float | None:
+    """CPU seconds the whole machine has been busy (all cores; /proc/stat user+nice+system+irq+
+    softirq+steal): across a timed call, minus the ranks' and the store's own CPU, it shows what
+    anything else on the machine took from the measurement."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+        return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / _CLK_TCK
+    return None
+
+
 def radosgw_stats(srv: dict) -> dict:
     out: dict = {"kind": "radosgw", "cpu_by": {}, "rss_mib": {}}
     for name, pid in srv["pids"].items():
@@ -777,6 +790,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
     gc.disable()
     dist.barrier()
     s0 = server_stats(cfg["server"]) if rank == 0 else None
+    b0 = sys_busy_s() if rank == 0 else None
     win = CallWindow()
     win.start()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -791,6 +805,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
     t_wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     mem = win.stop()
+    b1 = sys_busy_s() if rank == 0 else None
     s1 = server_stats(cfg["server"]) if rank == 0 else None
     gc.enable()
 
@@ -800,6 +815,8 @@ def rank_main(rank: int, world: int, job: dict) -> None:
         extra["phases"] = {k: round(v, 3) for k, v in phases.items()}
     if rank == 0:
         extra["server"] = stats_delta(s0, s1)
+        if b0 is not None and b1 is not None:
+            extra["sys_busy_cpu_s"] = round(b1 - b0, 3)
         if getattr(handle, "bench_server", None):
             extra["server_steps"] = handle.bench_server
         ms = getattr(handle, "merge_stats", None)
@@ -986,6 +1003,10 @@ class Runner:
             per_rank=[{k: v for k, v in r.items() if k not in ("server", "server_steps", "merge_stats", "phases")} for r in per_rank],
             process_s=round(time.time() - t_start, 1),
         )
+        busy, srv_cpu = r0.get("sys_busy_cpu_s"), (rec["server"] or {}).get("server_cpu_s")
+        if busy is not None and srv_cpu is not None:
+            # what else ran during the timed call (includes this orchestrator's RSS sampler)
+            rec["other_cpu_s"] = round(busy - rec["cpu_s_ranks"] - srv_cpu, 2)
         if phase == "save":
             rec["stored"] = self._stored(url)
         if self.srv["kind"] == "radosgw":
@@ -1023,6 +1044,14 @@ class Runner:
                 ts.append(time.perf_counter() - t0)
                 assert len(data) == 4096
             out = {"object": big.rsplit("/", 1)[-1], "object_bytes": files[big], "get_4k_s_median": statistics.median(ts), "runs": ts}
+            ts = []
+            for i in range(n):  # the same with one slab's worth (the reader's request size)
+                off = (files[big] // (n + 1)) * i
+                t0 = time.perf_counter()
+                data = self.fs.cat_file(big, start=off, end=off + (16 << 20))
+                ts.append(time.perf_counter() - t0)
+                assert len(data) == 16 << 20
+            out.update(get_16m_s_median=statistics.median(ts), runs_16m=ts)
         return out
 
 
@@ -1209,12 +1238,30 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
     probes = [r for r in records if r.get("phase") == "probe"]
     for p in probes:
         if p.get("get_4k_s_median") is not None:
-            lines.append(
-                f"- probe: one 4 KiB ranged GET of `{p['object']}` ({_fmt_b(p['object_bytes'])}) takes "
-                f"{p['get_4k_s_median'] * 1000:.0f} ms on this {kind} (median of {len(p['runs'])}); "
-                f"ours' col load makes about {p['col_gets_per_rank']} GETs per rank ({p['col_gets_per_rank'] * p['world']} in all), "
-                f"about {p['col_eta_s'] / 60:.1f} min at that rate with requests serialised"
+            line = (
+                f"- probe (untimed, one request at a time from the orchestrator): one ranged GET of `{p['object']}` "
+                f"({_fmt_b(p['object_bytes'])}) takes {p['get_4k_s_median'] * 1000:.0f} ms for 4 KiB"
+                + (f", {p['get_16m_s_median'] * 1000:.0f} ms for 16 MiB" if p.get("get_16m_s_median") is not None else "")
+                + f" on this {kind} (medians of {len(p['runs'])})"
             )
+            if p.get("col_gets_per_rank"):
+                line += (
+                    f"; ours' col load makes about {p['col_gets_per_rank']} GETs per rank ({p['col_gets_per_rank'] * p['world']} in all), "
+                    f"about {p['col_eta_s'] / 60:.1f} min at the 4 KiB rate with requests serialised"
+                )
+            lines.append(line)
+    timed = [r for r in records if r.get("phase") in ("save", "load") and r.get("other_cpu_s") is not None]
+    if timed:
+        worst = max(timed, key=lambda r: r["other_cpu_s"])
+        busy = [r for r in timed if r["other_cpu_s"] > 1.0]
+        lines.append(
+            f"- CPU used by anything else on the machine during the timed calls (machine busy time − ranks − store; includes "
+            f"this script's RSS sampler): median {_median([r['other_cpu_s'] for r in timed]):.2f} s, max {worst['other_cpu_s']:.2f} s "
+            f"({worst['phase']} {worst['contender']} {worst.get('layout')} repeat {worst['repeat']}); "
+            + (f"{len(busy)} of {len(timed)} measurements over 1 s: "
+               + ", ".join(f"{r['phase']} {r['contender']}/{r['layout']}/r{r['repeat']} {r['other_cpu_s']:.1f} s" for r in busy)
+               if busy else "none over 1 s")
+        )
     failed = [r for r in records if r.get("ok") is False and not r.get("timed_out")]
     for r in failed:
         lines.append(f"- FAILED: {r.get('phase')} {r.get('contender')} ({r.get('layout')}) repeat {r.get('repeat')}: {r.get('error')}")
@@ -1493,6 +1540,10 @@ def _run(args, t_start, save_names, load_names, d, spec, size, work, srv, facts)
                                     runner.emit(probe)
                 if stopped and args.load_layouts == "auto" and "row" not in done and "row" not in layouts:
                     layouts.append("row")
+        if "ours" in keep and not any(r.get("phase") == "probe" for r in runner.records):
+            probe = runner.probe_gets(keep["ours"])  # what one small and one slab-sized GET cost on this store
+            if probe:
+                runner.emit({**probe, "phase": "probe"})
     finally:
         runner.jsonl.close()
         elapsed = time.time() - t_start
