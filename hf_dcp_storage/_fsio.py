@@ -26,6 +26,8 @@ __all__ = [
     "read_range",
     "exists",
     "list_names",
+    "list_tree",
+    "remove_many",
     "remove",
     "remove_tree",
     "write_atomic",
@@ -75,6 +77,31 @@ def list_names(fs: AbstractFileSystem, directory: str) -> list[str]:
         return [posixpath.basename(p.rstrip("/")) for p in fs.ls(directory, detail=False)]
     except FileNotFoundError:
         return []
+
+
+def list_tree(fs: AbstractFileSystem, directory: str) -> set[str]:
+    """Paths of every file under ``directory``, relative to it (``a``, ``sub/b``); empty if none.
+
+    One recursive listing (on S3 one request per 1,000 objects), never from a cache: another
+    process may have changed the folder since this one last looked.
+    """
+    fs.invalidate_cache(directory)
+    try:
+        found = fs.find(directory, withdirs=False)
+    except FileNotFoundError:
+        return set()
+    base = directory.rstrip("/") + "/"
+    return {p[len(base) :] for p in found if p.startswith(base)}
+
+
+def remove_many(fs: AbstractFileSystem, paths: list[str]) -> None:
+    """Delete files (a batched request where the store has one); missing ones are fine."""
+    if paths:
+        try:
+            fs.rm(paths)
+        except FileNotFoundError:
+            for p in paths:
+                remove(fs, p)
 
 
 def remove(fs: AbstractFileSystem, path: str) -> None:

@@ -100,9 +100,9 @@ class S3:
 
         return sync(self.fs.loop, fetch_all)
 
-    def put(self, path: str, data: bytes | memoryview) -> None:
+    def put(self, path: str, data: bytes | bytearray) -> None:
         bucket, key = _bucket_key(path)
-        self._call("put_object", "PUT", path, Bucket=bucket, Key=key, Body=bytes(data))
+        self._call("put_object", "PUT", path, Bucket=bucket, Key=key, Body=data)
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; fewer only if the object is shorter."""
@@ -116,7 +116,7 @@ class S3:
         bucket, key = _bucket_key(path)
         return self._call("create_multipart_upload", "CreateMultipartUpload", path, Bucket=bucket, Key=key)["UploadId"]
 
-    def upload_part(self, path: str, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+    def upload_part(self, path: str, upload_id: str, number: int, data: bytes | bytearray) -> dict[str, Any]:
         bucket, key = _bucket_key(path)
         r = self._call(
             "upload_part", f"UploadPart {number}", path, Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
@@ -167,7 +167,7 @@ class PartUploader:
         self._pending: deque[Future[dict[str, Any]]] = deque()
         self.etags: list[dict[str, Any]] = []
 
-    def submit(self, number: int, data: bytes) -> None:
+    def submit(self, number: int, data: bytes | bytearray) -> None:
         while len(self._pending) >= self.in_flight:
             self.etags.append(self._pending.popleft().result())
         self._pending.append(self._pool.submit(self.s3.upload_part, self.path, self.upload_id, number, data))
@@ -220,13 +220,13 @@ class MultipartWriter:
             self._upload_id = self.s3.create_upload(self.path)
             self._uploader = PartUploader(self.s3, self.path, self._upload_id)
         self._parts += 1
-        self._uploader.submit(self._parts, bytes(self._buf))
-        self._buf.clear()
+        data, self._buf = self._buf, bytearray()  # hand the buffer over instead of copying it
+        self._uploader.submit(self._parts, data)
 
     def close(self) -> None:
         """Upload what is buffered and commit the object."""
         if self._uploader is None:
-            self.s3.put(self.path, bytes(self._buf))
+            self.s3.put(self.path, self._buf)
             return
         if self._buf:
             self._send()

@@ -35,7 +35,7 @@ from ._layout import (
     chunk_runs,
     element_size,
 )
-from ._slabs import slab_bounds, sub_chunk
+from ._slabs import SLAB_BYTES, slab_bounds, sub_chunk
 from ._parallel import parallel_map
 from ._retry import RetryPolicy
 from ._s3 import S3, s3_for
@@ -220,7 +220,7 @@ class HFStorageReader(StorageReader):
         if tuple(target.shape) != tuple(item.lengths):
             raise ValueError(f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match requested {list(item.lengths)}")
         itemsize = element_size(stored.dtype)
-        for r0, r1 in slab_bounds(item.lengths, itemsize):
+        for r0, r1 in slab_bounds(item.lengths, itemsize, self._slab_bytes(stored, item)):
             offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
             dest = target[r0:r1] if item.lengths else target
             # Read straight into the destination when it can take the raw bytes; else a slab buffer.
@@ -265,6 +265,17 @@ class HFStorageReader(StorageReader):
             )
         for item, target in targets:
             planner.commit_tensor(item, target)
+
+    def _slab_bytes(self, stored: _Stored, item: ReadItem) -> int:
+        """Bytes of destination per slab: ``SLAB_BYTES``, less where a remote read fetches whole
+        rows for a part of each (a column shard whose gaps ``coalesce`` reads), so that what one
+        slab fetches, and holds in memory, stays about ``SLAB_BYTES`` whatever the world size."""
+        if _fsio.is_local(self.fs) or len(stored.shape) < 2:
+            return SLAB_BYTES
+        wanted, full = math.prod(item.lengths[1:]), math.prod(stored.shape[1:])
+        if wanted == full or (full - wanted) * element_size(stored.dtype) > READ_GAP_BYTES:
+            return SLAB_BYTES
+        return max(1, SLAB_BYTES * wanted // max(full, 1))
 
     def _url(self, name: str) -> str:
         return _fsio.url_of(self.fs, _fsio.join(self.root, name))

@@ -289,7 +289,10 @@ class HFStorageWriter(StorageWriter):
         if local:
             # Object stores have no folders, and s3fs's makedirs would create a missing bucket.
             fs.makedirs(root, exist_ok=True)
-        committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if _fsio.exists(fs, _fsio.join(root, n))]
+        # One listing of the whole folder answers every question below: on an object store each
+        # exists() is a request or two, and they run before any rank may start writing.
+        names = _fsio.list_tree(fs, root)
+        committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if n in names]
         if committed and not self.overwrite:
             raise FileExistsError(
                 f"{_fsio.url_of(fs, root)} already holds a complete checkpoint ({', '.join(committed)}); "
@@ -299,15 +302,13 @@ class HFStorageWriter(StorageWriter):
         # complete one whose files are being rewritten underneath it.
         for name in committed:
             _fsio.remove(fs, _fsio.join(root, name))
-        _fsio.remove_tree(fs, _fsio.join(root, STAGING_DIR))
+        keep = {f.name for f in layout.files}
+        stale = [n for n in names if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)]
+        _fsio.remove_many(fs, [_fsio.join(root, n) for n in stale])
         if self._s3 is not None:
             # Uploads a killed save left unfinished under this path: invisible, but billed.
             for key, upload_id in self._s3.list_uploads(root.rstrip("/") + "/"):
                 self._s3.abort_upload(f"{root.split('/', 1)[0]}/{key}", upload_id)
-        keep = {f.name for f in layout.files}
-        for name in _fsio.list_names(fs, root):
-            if SHARD_NAME_RE.match(name) and name not in keep:
-                _fsio.remove(fs, _fsio.join(root, name))
         if direct:
             for f in layout.files:
                 _create_with_header(_fsio.join(root, f.name), f.header, f.size)
@@ -450,10 +451,11 @@ class HFStorageWriter(StorageWriter):
                                     buf[lead + at - part.start : lead + at - part.start + take] = piece
                                     entry[1] -= take
                                     if entry[1] == 0:
+                                        # The buffer itself goes out (no copy); it is dropped here.
                                         if uploader is not None:
-                                            uploader.submit(part.number, bytes(buf))
+                                            uploader.submit(part.number, buf)
                                         else:  # the whole file is this one part
-                                            self._s3.put(path, bytes(buf))
+                                            self._s3.put(path, buf)
                                         del buffers[part.number]
                         results.append(WriteResult(item.index, nbytes, _Written(file, first_staged, crc.contribution(_tensor_bytes(item)))))
                 if buffers:

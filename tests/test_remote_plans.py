@@ -6,6 +6,7 @@ import bisect
 import random
 
 import pytest
+import torch
 
 from hf_dcp_storage._layout import chunk_runs
 from hf_dcp_storage._s3parts import MAX_PART_BYTES, MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
@@ -185,3 +186,23 @@ def test_coalesced_requests_cover_every_run_within_10_percent_extra(seed: int) -
         assert len(requests) == 1  # a row cut is contiguous: one request
     # With the default gap allowance (1 MiB, far above these tensors) each region is one request.
     assert len(coalesce(spans)) == 1
+
+
+def test_remote_column_shard_slabs_fetch_about_16_mib_whatever_the_world_size() -> None:
+    """On a remote store a slab of a narrow-row column shard is read as whole rows (the gaps are
+    cheaper than requests), so the reader shrinks the slab: fetched bytes per slab stay ~16 MiB."""
+    from types import SimpleNamespace
+
+    from hf_dcp_storage._slabs import SLAB_BYTES, slab_bounds
+    from hf_dcp_storage.reader import HFStorageReader, _Stored
+
+    stored = _Stored("f.safetensors", 0, torch.bfloat16, (16384, 4096))
+    remote, local = HFStorageReader("memory://x/ck"), HFStorageReader("/tmp/ck")
+    for world in (1, 2, 8, 64):
+        item = SimpleNamespace(storage_offsets=(0, 0), lengths=(16384, 4096 // world))
+        r0, r1 = next(slab_bounds(item.lengths, 2, remote._slab_bytes(stored, item)))
+        fetched = (r1 - r0) * 4096 * 2  # whole rows
+        assert SLAB_BYTES // 2 < fetched <= SLAB_BYTES, (world, fetched)
+        assert local._slab_bytes(stored, item) == SLAB_BYTES  # local reads only the runs
+    wide = _Stored("f.safetensors", 0, torch.float32, (64, 2**20))  # 2 MiB half-rows: gaps skipped
+    assert remote._slab_bytes(wide, SimpleNamespace(storage_offsets=(0, 0), lengths=(64, 2**19))) == SLAB_BYTES
