@@ -10,6 +10,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -290,8 +291,12 @@ class HFStorageWriter(StorageWriter):
             # Object stores have no folders, and s3fs's makedirs would create a missing bucket.
             fs.makedirs(root, exist_ok=True)
         # One listing of the whole folder answers every question below: on an object store each
-        # exists() is a request or two, and they run before any rank may start writing.
-        names = _fsio.list_tree(fs, root)
+        # exists() is a request or two, and they run before any rank may start writing. On S3
+        # the listing of unfinished uploads runs beside it.
+        with ThreadPoolExecutor(1) as pool:
+            uploads = pool.submit(self._s3.list_uploads, root.rstrip("/") + "/") if self._s3 is not None else None
+            names = _fsio.list_tree(fs, root)
+            orphans = uploads.result() if uploads is not None else []
         committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if n in names]
         if committed and not self.overwrite:
             raise FileExistsError(
@@ -307,8 +312,8 @@ class HFStorageWriter(StorageWriter):
         _fsio.remove_many(fs, [_fsio.join(root, n) for n in stale])
         if self._s3 is not None:
             # Uploads a killed save left unfinished under this path: invisible, but billed.
-            for key, upload_id in self._s3.list_uploads(root.rstrip("/") + "/"):
-                self._s3.abort_upload(f"{root.split('/', 1)[0]}/{key}", upload_id)
+            s3, bucket = self._s3, root.split("/", 1)[0]
+            parallel_map(lambda o: s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, self.thread_count)
         if direct:
             for f in layout.files:
                 _create_with_header(_fsio.join(root, f.name), f.header, f.size)
@@ -385,10 +390,15 @@ class HFStorageWriter(StorageWriter):
         """(coordinator) One multipart upload per file of more than one part, before any rank writes."""
         assert self._s3 is not None
         uploads: dict[int, str] = {}
+        s3 = self._s3
+        # A one-part file is a single PUT, by its rank or by the coordinator.
+        files = [f for f, parts in enumerate(s3_parts) if len(parts) > 1]
+
+        def create(f: int) -> None:
+            uploads[f] = s3.create_upload(_fsio.join(self.root, layout.files[f].name))
+
         try:
-            for f, parts in enumerate(s3_parts):
-                if len(parts) > 1:  # a one-part file is a single PUT, by its rank or the coordinator
-                    uploads[f] = self._s3.create_upload(_fsio.join(self.root, layout.files[f].name))
+            parallel_map(create, files, self.thread_count)
         except BaseException:
             self._abort_uploads(layout.files, uploads)
             raise
