@@ -33,7 +33,7 @@ from ._parallel import parallel_map
 from ._retry import RetryPolicy
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart
 
-__all__ = ["S3", "s3_for", "MultipartWriter", "PartUploader", "MergeStats", "complete_file"]
+__all__ = ["S3", "s3_for", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +155,38 @@ class S3:
         bucket, prefix = _bucket_key(path)
         r = self._call("list_multipart_uploads", "ListMultipartUploads", path, Bucket=bucket, Prefix=prefix)
         return [(u["Key"], u["UploadId"]) for u in r.get("Uploads", [])]
+
+
+class PartAssembler:
+    """Fills a rank's own parts of one file from the pieces it writes, in any order, and hands
+    each part to ``send`` as soon as its last byte arrives (the buffer itself, not a copy).
+
+    A part that carries the header gets it in front (the header is file bytes ``[0, start)``).
+    """
+
+    def __init__(self, header: bytes, send: Callable[[RankPart, bytearray], None]) -> None:
+        self.header, self.send = header, send
+        self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part number -> (buffer, [bytes missing])
+
+    def add(self, part: RankPart, at: int, piece: memoryview) -> None:
+        """Copy ``piece``, file bytes from ``at``, into ``part``."""
+        lead = part.start if part.header else 0
+        entry = self._open.get(part.number)
+        if entry is None:
+            buf = bytearray(lead + part.nbytes)
+            buf[:lead] = self.header[:lead]
+            entry = self._open[part.number] = (buf, [part.nbytes])
+        buf, missing = entry
+        offset = lead + at - part.start
+        buf[offset : offset + len(piece)] = piece
+        missing[0] -= len(piece)
+        if missing[0] == 0:
+            del self._open[part.number]
+            self.send(part, buf)
+
+    @property
+    def unfinished(self) -> list[int]:
+        return sorted(self._open)
 
 
 class PartUploader:

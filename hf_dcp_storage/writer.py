@@ -41,7 +41,7 @@ from ._layout import (
 from ._parallel import parallel_map
 from ._merge import StagedPiece, merge_file
 from ._retry import RetryPolicy
-from ._s3 import MergeStats, MultipartWriter, PartUploader, _quietly, complete_file, s3_for
+from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, s3_for
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from ._slabs import as_bytes, slab_bounds, sub_chunk
 
@@ -430,7 +430,15 @@ class HFStorageWriter(StorageWriter):
             path = _fsio.join(self.root, name)
             upload_id = s3_plan.uploads.get(file)
             uploader = PartUploader(self._s3, path, upload_id) if parts and upload_id is not None else None
-            buffers: dict[int, list[Any]] = {}  # part number -> [buffer, bytes still missing]
+            s3 = self._s3
+
+            def send(part: RankPart, data: bytearray) -> None:
+                if uploader is not None:
+                    uploader.submit(part.number, data)
+                else:  # the whole file is this one part
+                    s3.put(path, data)
+
+            assembler = PartAssembler(header, send)
             results: list[WriteResult] = []
             staged_pos = 0
             stream = self._staged_stream(self._staged_path(name, rank_plan.rank), staged_size) if staged_size else contextlib.nullcontext()
@@ -450,26 +458,11 @@ class HFStorageWriter(StorageWriter):
                                     if part is None:
                                         staged.write(piece)
                                         staged_pos += take
-                                        continue
-                                    entry = buffers.get(part.number)
-                                    if entry is None:
-                                        lead = part.start if part.header else 0  # the header is bytes [0, start)
-                                        buf = bytearray(lead + part.nbytes)
-                                        buf[:lead] = header[:lead]
-                                        entry = buffers[part.number] = [buf, part.nbytes, lead]
-                                    buf, _, lead = entry
-                                    buf[lead + at - part.start : lead + at - part.start + take] = piece
-                                    entry[1] -= take
-                                    if entry[1] == 0:
-                                        # The buffer itself goes out (no copy); it is dropped here.
-                                        if uploader is not None:
-                                            uploader.submit(part.number, buf)
-                                        else:  # the whole file is this one part
-                                            self._s3.put(path, buf)
-                                        del buffers[part.number]
+                                    else:
+                                        assembler.add(part, at, piece)
                         results.append(WriteResult(item.index, nbytes, _Written(file, first_staged, crc.contribution(_tensor_bytes(item)))))
-                if buffers:
-                    raise RuntimeError(f"{name}: parts {sorted(buffers)} were planned for rank {rank_plan.rank} but not filled")
+                if assembler.unfinished:
+                    raise RuntimeError(f"{name}: parts {assembler.unfinished} were planned for rank {rank_plan.rank} but not filled")
                 etags = tuple(uploader.wait()) if uploader is not None else ()
             except BaseException:
                 if uploader is not None:
