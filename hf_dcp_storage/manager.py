@@ -114,13 +114,22 @@ class CheckpointManager:
         """
         name = step_name(step)
         self.wait()
-        # Everything that can be refused is checked before the first byte is written.
-        values = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in (training_state or {}).items()}
-        tensors, tree = split(values)
+        # Everything that can be refused is checked before the first byte is written, and every
+        # rank learns what any rank refused: a rank raising alone would leave the others waiting
+        # in the next collective.
+        problem = None
+        try:
+            values = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in (training_state or {}).items()}
+            tensors, tree = split(values)
+        except TypeError as exc:
+            problem = str(exc)
+        reports = self._all_gather((step, problem))
+        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(reports) if p]
+        if problems:
+            raise TypeError("; ".join(problems))
+        if len({s for s, _ in reports}) > 1:
+            raise ValueError(f"ranks save different steps {[s for s, _ in reports]}; all ranks must save the same step")
         payload = json.dumps({"values": tree, "rng": capture_rng()}, allow_nan=False).encode()
-        agreed = self._broadcast(step if self._rank == 0 else None)
-        if agreed != step:
-            raise ValueError(f"rank {self._rank} saves step {step} but rank 0 saves step {agreed}; all ranks must save the same step")
         refusal = self._broadcast(self._clear_step(step) if self._rank == 0 else None)
         if refusal:
             raise FileExistsError(refusal)
@@ -308,6 +317,13 @@ class CheckpointManager:
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [value]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
 
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():

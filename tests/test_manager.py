@@ -282,3 +282,22 @@ def test_on_s3_steps_commit_prune_and_resume(s3) -> None:
     assert state["counter"].seen == 2
     for k, v in _model(2).items():
         assert_same(out[k], v, k)
+
+
+def _disagreeing_ranks(rank: int, world: int, root: str) -> None:
+    """Every rank raises, none is left waiting in a collective: steps differ, then a value only
+    rank 1 holds cannot be saved."""
+    mgr = CheckpointManager(root)
+    with pytest.raises(ValueError, match=r"ranks save different steps \[1, 2\]; all ranks must save the same step"):
+        mgr.save(1 + rank, _model(1))
+    with pytest.raises(TypeError, match=r"^rank 1: training state 'extra' is a set"):
+        mgr.save(1, _model(1), {"extra": {1, 2} if rank == 1 else [1, 2]})
+    assert mgr.all_checkpoints() == []
+
+
+@pytest.mark.distributed
+def test_a_refusal_on_one_rank_is_raised_on_every_rank(tmp_path) -> None:
+    from _dist import run_ranks
+
+    run_ranks(_disagreeing_ranks, 2, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists() or list((tmp_path / "run").iterdir()) == []
