@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -10,10 +9,9 @@ import fsspec
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from _data import assert_same, read_checkpoint
-from hf_dcp_storage import CheckpointManager, HFStorageReader
+from hf_dcp_storage import CheckpointManager
 from hf_dcp_storage._steps import RetentionPolicy, parse_step, step_name, to_remove
 
 

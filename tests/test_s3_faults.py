@@ -8,7 +8,6 @@ on every rank, leave no index and no unfinished multipart upload on the server.
 
 from __future__ import annotations
 
-import json
 import posixpath
 import time
 import uuid
