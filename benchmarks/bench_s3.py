@@ -72,7 +72,6 @@ import threading
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,12 +82,15 @@ if str(HERE) not in sys.path:
 # Shared with the local-disk benchmark: data generation, bit-exact compare, RSS sampling.
 from bench_save_load import (
     CallWindow,
+    Dims,
     ProcSampler,
     _git_rev,
     _stride,
     _version,
     make_shard,
+    model_spec,
     same_bits,
+    total_bytes,
 )
 
 DEFAULT_DATA_ROOT = HERE / "_data"  # git-ignored: rendezvous files, per-measurement results
@@ -136,54 +138,20 @@ def storage_options(endpoint: str, block_size: int | None) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Dims:
-    vocab: int
-    hidden: int
-    inter: int
-    layers: int
-
-    @property
-    def heads(self) -> int:
-        return self.hidden // 128
-
-
 # (vocab, hidden, intermediate), MHA (k/v as wide as q); llama-7B widths first, then halvings for
 # smoke tests whose target is smaller than one 7B-wide layer.
 _PRESETS = [(8192, 4096, 11008), (4096, 2048, 5504), (2048, 1024, 2752), (1024, 512, 1376), (512, 256, 704)]
 
 
 def model_dims(size_mb: float) -> Dims:
+    """bench_save_load's model with MHA (k/v as wide as q), sized to about ``size_mb``."""
     target = size_mb * MiB
     for v, h, i in _PRESETS:
         fixed = (2 * v * h + h) * 2
         per_layer = (4 * h * h + 3 * h * i + 2 * h) * 2
         if fixed + per_layer <= target * 1.1 or (v, h, i) == _PRESETS[-1]:
-            return Dims(v, h, i, max(1, round((target - fixed) / per_layer)))
+            return Dims(v, h, i, h, max(1, round((target - fixed) / per_layer)))
     raise AssertionError
-
-
-def model_spec(d: Dims) -> list[tuple[str, tuple[int, ...]]]:
-    spec: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (d.vocab, d.hidden))]
-    for i in range(d.layers):
-        p = f"model.layers.{i}."
-        spec += [
-            (p + "input_layernorm.weight", (d.hidden,)),
-            (p + "self_attn.q_proj.weight", (d.hidden, d.hidden)),
-            (p + "self_attn.k_proj.weight", (d.hidden, d.hidden)),
-            (p + "self_attn.v_proj.weight", (d.hidden, d.hidden)),
-            (p + "self_attn.o_proj.weight", (d.hidden, d.hidden)),
-            (p + "post_attention_layernorm.weight", (d.hidden,)),
-            (p + "mlp.gate_proj.weight", (d.inter, d.hidden)),
-            (p + "mlp.up_proj.weight", (d.inter, d.hidden)),
-            (p + "mlp.down_proj.weight", (d.hidden, d.inter)),
-        ]
-    spec += [("model.norm.weight", (d.hidden,)), ("lm_head.weight", (d.vocab, d.hidden))]
-    return spec
-
-
-def total_bytes(spec) -> int:
-    return sum(math.prod(s) * 2 for _, s in spec)
 
 
 def _range(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -1483,7 +1451,7 @@ def _run(args, t_start, save_names, load_names, d, spec, size, work, srv, facts)
         **facts,
         "s3fs_default_block_size": getattr(fs, "default_block_size", None),
         "storage_options": {k: v for k, v in opts.items() if k not in ("key", "secret")},
-        "dims": {**d.__dict__, "heads": d.heads},
+        "dims": {**d.__dict__, "heads": d.hidden // 128},
         "tensors": len(spec),
         "size_bytes": size,
         "size_mib": round(size / MiB, 1),

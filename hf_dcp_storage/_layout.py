@@ -127,6 +127,11 @@ class Layout:
     specs: Mapping[str, TensorSpec]
 
     @property
+    def names(self) -> tuple[str, ...]:
+        """File names, by file index."""
+        return tuple(f.name for f in self.files)
+
+    @property
     def weight_map(self) -> dict[str, str]:
         return {key: self.files[f].name for key, f in self.file_of.items()}
 

@@ -225,7 +225,7 @@ class HFStorageWriter(StorageWriter):
         self._items = {item.index: item for plan in plans for item in plan.items}
         self._s3_parts = s3_parts
         self._uploads = self._create_uploads(layout, s3_parts) if s3_parts is not None else {}
-        names = tuple(f.name for f in layout.files)
+        names = layout.names
         rank_plans = []
         for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
             s3_plan = None
@@ -400,15 +400,17 @@ class HFStorageWriter(StorageWriter):
         try:
             parallel_map(create, files, self.thread_count)
         except BaseException:
-            self._abort_uploads(layout.files, uploads)
+            self._abort_uploads(layout.names, uploads)
             raise
         return uploads
 
-    def _abort_uploads(self, files: Any, uploads: Mapping[int, str]) -> None:
-        assert self._s3 is not None
+    def _abort_uploads(self, names: tuple[str, ...], uploads: Mapping[int, str]) -> None:
+        """Abort the multipart uploads of files ``names[f]``; a failing abort is only logged."""
+        s3 = self._s3
+        assert s3 is not None
         for f, upload_id in uploads.items():
-            path = _fsio.join(self.root, files[f] if isinstance(files[f], str) else files[f].name)
-            _quietly(lambda: self._s3.abort_upload(path, upload_id), path)  # type: ignore[union-attr]
+            path = _fsio.join(self.root, names[f])
+            _quietly(lambda: s3.abort_upload(path, upload_id), path)
 
     def _write_s3(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
         """(each rank, S3) Upload the parts that hold only this rank's bytes straight into the
@@ -514,7 +516,7 @@ class HFStorageWriter(StorageWriter):
                     etags.get(f, []), staged, threads=self.thread_count, stats=self.merge_stats,
                 )
         except BaseException:
-            self._abort_uploads(layout.files, self._uploads)
+            self._abort_uploads(layout.names, self._uploads)
             raise
 
     def _staged_stream(self, path: str, size: int) -> Any:
