@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,13 +65,24 @@ def _piece_runs(p: StagedPiece) -> Iterator[tuple[int, str, int, int]]:
 
 
 def merge_file(
-    fs: AbstractFileSystem, out_path: str, header: bytes, size: int, pieces: Iterable[StagedPiece]
+    fs: AbstractFileSystem,
+    out_path: str,
+    header: bytes,
+    size: int,
+    pieces: Iterable[StagedPiece],
+    *,
+    source_fs: AbstractFileSystem | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> None:
     """Write ``header`` then every staged run in order to ``out_path``; exactly ``size`` bytes.
+
+    The staged objects are read from ``source_fs`` (default ``fs``); ``on_bytes(n)`` is told
+    of each block copied.
 
     Raises:
         RuntimeError: the staged runs leave a hole or overlap (an inconsistent save).
     """
+    source_fs = source_fs or fs
     readers: dict[str, Any] = {}
     # write_stream publishes nothing if the merge fails: no truncated shard is left behind.
     with contextlib.ExitStack() as stack, _fsio.write_stream(fs, out_path, size) as out:
@@ -82,7 +93,7 @@ def merge_file(
                 raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
             src = readers.get(path)
             if src is None:
-                src = readers[path] = stack.enter_context(fs.open(path, "rb", block_size=COPY_BYTES))
+                src = readers[path] = stack.enter_context(source_fs.open(path, "rb", block_size=COPY_BYTES))
             src.seek(soff)
             left = n
             while left:
@@ -91,6 +102,8 @@ def merge_file(
                     raise RuntimeError(f"{path}: staged object ends early at byte {soff + n - left}")
                 out.write(data)
                 left -= len(data)
+                if on_bytes is not None:
+                    on_bytes(len(data))
             pos += n
         if pos != size:
             raise RuntimeError(f"{out_path}: merged {pos} bytes but the layout has {size}")

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -39,15 +40,18 @@ from ._layout import (
     plan_layout,
 )
 from ._parallel import parallel_map
+from ._progress import NO_PROGRESS, Progress
 from ._merge import StagedPiece, merge_file
 from ._retry import RetryPolicy
 from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, s3_for
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from ._slabs import as_bytes, slab_bounds, sub_chunk
+from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
 
-# Per-rank staged files live here until the coordinator merges them; removed after the commit.
+# The save's own record (``_staging.py``) and per-rank staged files live here until the
+# coordinator has written the index; then the folder is removed.
 STAGING_DIR = ".hf_dcp_staging"
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class _RankPlan:
     """``SavePlan.storage_data`` the coordinator sends each rank: the part of the layout it writes."""
 
     rank: int
+    save_id: str
     direct: bool
     files: tuple[str, ...]
     placements: Mapping[MetadataIndex, Placement]
@@ -96,14 +101,17 @@ class HFStorageWriter(StorageWriter):
        write items (file of each key, headers, byte position of every chunk), refuses to replace
        a complete checkpoint unless ``overwrite=True``, and on local disk creates every file at
        its final size with its header; on S3 it plans every file's multipart parts and creates
-       the uploads.
+       the uploads. It records the plan in ``.hf_dcp_staging/save.json`` (``_staging.py``).
     3. (all ranks) ``write_data``: each rank writes only its own bytes. On local disk (and NFS)
        they go straight to their final place with positioned writes, so nothing is left to
        consolidate. On S3 each rank uploads the parts that hold only its bytes straight into the
        files' uploads and stages its runs under 5 MiB. Elsewhere each rank streams one staged
-       object per output file.
+       object per output file. Once its bytes are durable, each rank records what it wrote
+       (``.hf_dcp_staging/rankNNNNN.json``).
     4. (coordinator) ``finish``: on S3, gathers the staged runs into their parts and completes
-       the uploads; elsewhere merges the staged objects; then writes the index.
+       the uploads; elsewhere merges the staged objects; then writes the index, and removes
+       ``.hf_dcp_staging/``. If the coordinator dies before the index, the records let
+       ``hf-dcp consolidate`` (``consolidate_checkpoint``) run this step later.
 
     Args:
         path: a local folder or any fsspec URL (``file://``, ``memory://``, ``s3://``...); may be
@@ -178,6 +186,10 @@ class HFStorageWriter(StorageWriter):
         self._s3_parts: list[list[RankPart | GatherPart]] | None = None
         self._uploads: dict[int, str] = {}
         self.merge_stats = MergeStats()
+        # Where staged objects are read from when merging: this folder, unless an interrupted
+        # save elsewhere is being finished into it (``consolidate``).
+        self._source: tuple[Any, str] | None = None
+        self._progress: Progress = NO_PROGRESS
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -215,29 +227,48 @@ class HFStorageWriter(StorageWriter):
         layout = plan_layout(
             specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping
         )
-        placements = place_items(layout, plans)
         direct = self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
-        s3_parts = _plan_s3_parts(layout, plans, placements) if self._s3 is not None and not direct else None
+        mode = "direct" if direct else "s3" if self._s3 is not None else "staged"
+        placements = self._adopt(layout, mode, plans)
         # Step 2: I/O on the destination, still before any rank writes data.
         self._prepare_destination(layout, direct)
-        self._layout = layout
-        self._direct = direct
-        self._items = {item.index: item for plan in plans for item in plan.items}
-        self._s3_parts = s3_parts
-        self._uploads = self._create_uploads(layout, s3_parts) if s3_parts is not None else {}
+        if self._s3_parts is not None:
+            self._uploads = self._create_uploads(layout, self._s3_parts)
+        save_id = uuid.uuid4().hex
+        record = SaveRecord(save_id, mode, len(plans), tuple((f.name, f.header) for f in layout.files), self._uploads)
+        try:
+            self._put(_fsio.join(self.root, STAGING_DIR, SAVE_RECORD), record.encode())
+        except BaseException:
+            if self._uploads:
+                self._abort_uploads(layout.names, self._uploads)
+            raise
         names = layout.names
         rank_plans = []
         for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
             s3_plan = None
-            if s3_parts is not None:
-                mine = {f: tuple(p for p in parts if isinstance(p, RankPart) and p.rank == rank) for f, parts in enumerate(s3_parts)}
+            if self._s3_parts is not None:
+                mine = {f: tuple(p for p in parts if isinstance(p, RankPart) and p.rank == rank) for f, parts in enumerate(self._s3_parts)}
                 headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
                 s3_plan = _S3RankPlan(self._uploads, {f: ps for f, ps in mine.items() if ps}, headers)
-            rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, direct, names, placed, s3_plan)))
+            rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, names, placed, s3_plan)))
         return rank_plans
 
+    def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> list[dict[MetadataIndex, Placement]]:
+        """(coordinator) Take ``layout`` and every rank's items as this save's plan, written in
+        ``mode`` (``direct``, ``staged`` or ``s3``): what ``finish`` works from. No I/O. Also used to
+        finish an interrupted save from its records (``uploads``: the ids it created). Returns
+        each rank's placements."""
+        placements = place_items(layout, plans)
+        self._layout = layout
+        self._direct = mode == "direct"
+        self._items = {item.index: item for plan in plans for item in plan.items}
+        self._s3_parts = _plan_s3_parts(layout, plans, placements) if mode == "s3" else None
+        self._uploads = dict(uploads or {})
+        return placements
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """(all ranks) Write this rank's bytes: in place on local disk, else staged objects."""
+        """(all ranks) Write this rank's bytes: in place on local disk, else staged objects; then
+        record what was written (the save's ``rank{r}.json``), so an interrupted save can be finished."""
         rank_plan: _RankPlan = plan.storage_data
         if rank_plan.direct:
             results = self._write_direct(plan.items, rank_plan, planner)
@@ -245,6 +276,12 @@ class HFStorageWriter(StorageWriter):
             results = self._write_s3(plan.items, rank_plan, planner)
         else:
             results = self._write_staged(plan.items, rank_plan, planner)
+        try:
+            self._put(_fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), _rank_record(rank_plan, plan.items, results).encode())
+        except BaseException:
+            if rank_plan.s3 is not None:
+                self._abort_uploads(rank_plan.files, rank_plan.s3.uploads)
+            raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -259,10 +296,8 @@ class HFStorageWriter(StorageWriter):
                 _fsio.fsync_dir(self.root)
         elif self._s3_parts is not None:
             self._complete_s3(layout, results)
-            _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
         else:
             self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs])
-            _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
         checksums = dict.fromkeys(layout.weight_map, 0)
         for rank_results in results:
             for r in rank_results:
@@ -275,11 +310,9 @@ class HFStorageWriter(StorageWriter):
             },
             "weight_map": dict(sorted(layout.weight_map.items())),
         }
-        index_path = _fsio.join(self.root, INDEX_NAME)
-        if self._s3 is not None:
-            self._s3.put(index_path, _json_bytes(index))  # one PUT: atomic on S3, and retried
-        else:
-            _fsio.write_atomic(self.fs, index_path, _json_bytes(index))
+        self._put(_fsio.join(self.root, INDEX_NAME), _json_bytes(index))
+        # After the commit: until the index exists, the records are what can finish the save.
+        _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -314,11 +347,11 @@ class HFStorageWriter(StorageWriter):
             # Uploads a killed save left unfinished under this path: invisible, but billed.
             s3, bucket = self._s3, root.split("/", 1)[0]
             parallel_map(lambda o: s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, self.thread_count)
+        if local:
+            fs.makedirs(_fsio.join(root, STAGING_DIR), exist_ok=True)
         if direct:
             for f in layout.files:
                 _create_with_header(_fsio.join(root, f.name), f.header, f.size)
-        elif local:
-            fs.makedirs(_fsio.join(root, STAGING_DIR), exist_ok=True)
 
     def _write_direct(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
         fds: dict[int, int] = {}
@@ -519,15 +552,24 @@ class HFStorageWriter(StorageWriter):
             self._abort_uploads(layout.names, self._uploads)
             raise
 
+    def _put(self, path: str, data: bytes) -> None:
+        """Write a small file whole: readers see all of it or nothing (and it is durable)."""
+        if self._s3 is not None:
+            self._s3.put(path, data)  # one PUT: atomic on S3, and retried
+        else:
+            _fsio.write_atomic(self.fs, path, data)
+
     def _staged_stream(self, path: str, size: int) -> Any:
         """A stream for one staged object that publishes it only on a clean exit."""
         if self._s3 is not None:
             return MultipartWriter(self._s3, path, max(_fsio.part_bytes(self.fs, size), MIN_PART_BYTES))
         return _fsio.write_stream(self.fs, path, size)
 
-    def _staged_path(self, file_name: str, rank: int) -> str:
-        """Where ``rank`` stages its bytes of output file ``file_name``."""
-        return _fsio.join(self.root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
+    def _staged_path(self, file_name: str, rank: int, *, source: bool = False) -> str:
+        """Where ``rank`` stages its bytes of output file ``file_name`` (``source``: where the
+        merge reads them, which differs when finishing an interrupted save elsewhere)."""
+        root = self._source[1] if source and self._source is not None else self.root
+        return _fsio.join(root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
 
     def _merge(self, layout: Layout, staged: list[tuple[MetadataIndex, int, _Written]]) -> None:
         pieces: dict[int, list[StagedPiece]] = {}
@@ -535,7 +577,7 @@ class HFStorageWriter(StorageWriter):
             item = self._items[index]
             td = item.tensor_data
             assert td is not None and written.staged_offset is not None
-            path = self._staged_path(layout.files[written.file].name, rank)
+            path = self._staged_path(layout.files[written.file].name, rank, source=True)
             pieces.setdefault(written.file, []).append(
                 StagedPiece(
                     path=path,
@@ -548,9 +590,12 @@ class HFStorageWriter(StorageWriter):
                 )
             )
 
+        source_fs = self._source[0] if self._source is not None else self.fs
+
         def merge_one(file: int) -> None:
             plan = layout.files[file]
-            merge_file(self.fs, _fsio.join(self.root, plan.name), plan.header, plan.size, pieces.get(file, []))
+            out = _fsio.join(self.root, plan.name)
+            merge_file(self.fs, out, plan.header, plan.size, pieces.get(file, []), source_fs=source_fs, on_bytes=self._progress.advance)
             self.merge_stats.add(plan.size, plan.size)
 
         parallel_map(merge_one, range(len(layout.files)), self.thread_count)
@@ -572,6 +617,16 @@ def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterabl
         sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
         part = tensor[r0:r1] if sizes else tensor
         yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+
+
+def _rank_record(rank_plan: _RankPlan, items: list[WriteItem], results: list[WriteResult]) -> RankRecord:
+    """What this rank wrote, for ``rank{r}.json``: each item's result and its chunk's sizes."""
+    sizes = {item.index: tuple(item.tensor_data.chunk.sizes) for item in items if item.tensor_data is not None}
+    records = []
+    for r in results:
+        w: _Written = r.storage_data
+        records.append(ItemRecord(r.index.fqn, tuple(r.index.offset or ()), sizes[r.index], r.size_in_bytes, w.file, w.staged_offset, w.crc, w.parts))
+    return RankRecord(rank_plan.save_id, rank_plan.rank, tuple(records))
 
 
 def _in_write_order(items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]) -> list[WriteItem]:

@@ -1,0 +1,163 @@
+"""The record a save keeps of itself while it runs, so that an interrupted save can be finished.
+
+While a save is under way its folder holds, under ``.hf_dcp_staging/``:
+
+* ``save.json``: written by the coordinator after planning, before any rank writes: the save's
+  id, how the bytes travel (``direct`` positioned writes, ``staged`` objects, or ``s3`` multipart
+  uploads), the world size, every output file's name and encoded header, and on S3 the ids of
+  the multipart uploads;
+* ``rank{r:05d}.json``: written by rank ``r`` once every byte it owes is durable (or uploaded):
+  what it wrote, item by item (key, chunk, where its staged bytes sit, its CRC32 share, S3
+  part ETags).
+
+With both, the coordinator's ``finish`` (merge or complete the uploads, write the index) can be
+run later by another process (``hf-dcp consolidate``). The folder is deleted once the index is
+written. Encoding and decoding only: no I/O here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._header import HeaderError, decode_header
+from ._layout import FilePlan, Layout, TensorSpec
+
+__all__ = [
+    "FORMAT",
+    "SAVE_RECORD",
+    "MODES",
+    "rank_record_name",
+    "RecordError",
+    "SaveRecord",
+    "ItemRecord",
+    "RankRecord",
+    "layout_from_files",
+]
+
+FORMAT = 1
+SAVE_RECORD = "save.json"
+MODES = ("direct", "staged", "s3")
+
+
+def rank_record_name(rank: int) -> str:
+    return f"rank{rank:05d}.json"
+
+
+class RecordError(ValueError):
+    """A staging record that cannot be read: damaged, or from another version."""
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """The coordinator's plan of one save (``save.json``)."""
+
+    save_id: str
+    mode: str
+    world_size: int
+    files: tuple[tuple[str, bytes], ...]  # (name, encoded header), by file index
+    uploads: Mapping[int, str]  # S3: file index -> multipart upload id
+
+    def encode(self) -> bytes:
+        return _json(
+            {
+                "format": FORMAT,
+                "save_id": self.save_id,
+                "mode": self.mode,
+                "world_size": self.world_size,
+                "files": [{"name": name, "header": base64.b64encode(header).decode("ascii")} for name, header in self.files],
+                "uploads": {str(f): u for f, u in sorted(self.uploads.items())},
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes, where: str) -> SaveRecord:
+        obj = _load(raw, where)
+        try:
+            files = tuple((str(f["name"]), base64.b64decode(f["header"], validate=True)) for f in obj["files"])
+            record = cls(str(obj["save_id"]), obj["mode"], int(obj["world_size"]), files, {int(f): str(u) for f, u in obj["uploads"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise RecordError(f"{where}: not a valid save record ({type(exc).__name__}: {exc})") from None
+        if record.mode not in MODES or record.world_size < 1:
+            raise RecordError(f"{where}: not a valid save record (mode {record.mode!r}, world size {record.world_size})")
+        return record
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """One write item as its rank wrote it (a ``WriteResult`` plus the chunk's sizes)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+    file: int
+    staged_offset: int | None
+    crc: int
+    parts: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank wrote (``rank{r:05d}.json``)."""
+
+    save_id: str
+    rank: int
+    items: tuple[ItemRecord, ...]
+
+    def encode(self) -> bytes:
+        items = [
+            [i.key, list(i.offsets), list(i.sizes), i.nbytes, i.file, i.staged_offset, f"{i.crc:08x}", list(i.parts)]
+            for i in self.items
+        ]
+        return _json({"format": FORMAT, "save_id": self.save_id, "rank": self.rank, "items": items})
+
+    @classmethod
+    def decode(cls, raw: bytes, where: str) -> RankRecord:
+        obj = _load(raw, where)
+        try:
+            items = tuple(
+                ItemRecord(str(k), tuple(map(int, o)), tuple(map(int, s)), int(n), int(f), None if so is None else int(so), int(c, 16), tuple(p))
+                for k, o, s, n, f, so, c, p in obj["items"]
+            )
+            return cls(str(obj["save_id"]), int(obj["rank"]), items)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise RecordError(f"{where}: not a valid rank record ({type(exc).__name__}: {exc})") from None
+
+
+def layout_from_files(files: tuple[tuple[str, bytes], ...], where: str) -> Layout:
+    """The ``Layout`` a save planned, rebuilt from its files' names and headers. Pure.
+
+    Raises:
+        RecordError: a header that does not decode.
+    """
+    plans, file_of, tensor_start, specs = [], {}, {}, {}
+    for f, (name, header) in enumerate(files):
+        try:
+            entries, _, data_start = decode_header(header, where=f"{where} ({name})")
+        except HeaderError as exc:
+            raise RecordError(str(exc)) from None
+        plans.append(FilePlan(name, header, tuple(entries)))
+        for e in entries:
+            file_of[e.name] = f
+            tensor_start[e.name] = data_start + e.begin
+            specs[e.name] = TensorSpec(e.name, e.dtype, e.shape)
+    return Layout(tuple(plans), file_of, tensor_start, specs)
+
+
+def _json(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+
+
+def _load(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        found = obj.get("format") if isinstance(obj, dict) else None
+        raise RecordError(f"{where}: record format {found!r}; this version reads format {FORMAT}")
+    return obj
