@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _fsio
 from ._retry import RetryPolicy
-from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
+from ._steps import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from ._trainstate import capture_rng, join, restore_rng, split
 from .reader import HFStorageReader
+from .runs import remove_step, scan_steps
 from .writer import HFStorageWriter
 
 __all__ = ["CheckpointManager", "TRAINING_STATE_DIR"]
@@ -259,19 +260,14 @@ class CheckpointManager:
     def _prune_local(self, in_flight: list[int] | tuple[int, ...]) -> list[int]:
         removed = to_remove(self._list_steps(), self.policy, in_flight)
         for s in removed:
-            _fsio.remove_tree(self.fs, _fsio.join(self.root, step_name(s)))
+            remove_step(self.fs, self.root, s)
         return removed
 
     # -- helpers --------------------------------------------------------------------------------
 
     def _list_steps(self) -> dict[int, bool]:
-        """step -> complete?, for every ``step_N`` folder (rank 0)."""
-        steps = {}
-        for name in _fsio.list_names(self.fs, self.root):
-            s = parse_step(name)
-            if s is not None:
-                steps[s] = _fsio.exists(self.fs, _fsio.join(self.root, name, COMMIT_MARKER))
-        return steps
+        """step -> complete?, for every ``step_N`` folder (rank 0); none before the first save."""
+        return {info.step: info.complete for info in scan_steps(self.fs, self.root, missing_ok=True)}
 
     def _clear_step(self, step: int) -> str | None:
         """(rank 0) Make the step's folder empty, or say why not (a complete step, no overwrite)."""
@@ -283,9 +279,9 @@ class CheckpointManager:
                 f"CheckpointManager(..., overwrite=True) to replace it, or save another step"
             )
         if status is not None:
-            # The marker goes first: from here on the step is incomplete, never half-replaced.
-            _fsio.remove(self.fs, _fsio.join(folder, COMMIT_MARKER))
-            _fsio.remove_tree(self.fs, folder)
+            # The marker goes first (remove_step): from here on the step is incomplete, never
+            # half-replaced.
+            remove_step(self.fs, self.root, step)
         return None
 
     def _url(self, path: str) -> str:
