@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import posixpath
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -25,16 +23,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import _fsio
-from ._header import TensorEntry, decode_header, header_length
-from ._layout import (
-    CHECKSUM_ALGORITHM,
-    CHECKSUM_ALGORITHM_KEY,
-    CHECKSUMS_KEY,
-    INDEX_NAME,
-    SINGLE_FILE_NAME,
-    chunk_runs,
-    element_size,
-)
+from ._header import TensorEntry
+from ._hfindex import load_weight_map, read_bytes, read_header
+from ._layout import INDEX_NAME, chunk_runs, element_size
 from ._slabs import SLAB_BYTES, slab_bounds, sub_chunk
 from ._parallel import parallel_map
 from ._retry import RetryPolicy
@@ -45,8 +36,6 @@ __all__ = ["HFStorageReader", "coalesce"]
 # Remote reads: a gap between needed byte runs up to this size is read rather than skipped,
 # since one more request costs more than that much transfer.
 READ_GAP_BYTES = 1 << 20
-# First ranged read of every file: most headers fit, so one request usually gets the whole header.
-_HEADER_PROBE = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -308,42 +297,14 @@ class HFStorageReader(StorageReader):
     def _weight_map(self) -> tuple[dict[str, str], dict[str, int] | None]:
         """``key -> file`` and the recorded checksums from the index json, or from the single
         ``model.safetensors`` (no checksums)."""
-        index_path = _fsio.join(self.root, INDEX_NAME)
-        try:
-            raw = self.fs.cat_file(index_path)
-        except FileNotFoundError:
-            raw = None
-        if raw is None:
-            single = _fsio.join(self.root, SINGLE_FILE_NAME)
-            if not _fsio.exists(self.fs, single):
-                raise FileNotFoundError(
-                    f"{_fsio.url_of(self.fs, self.root)} is not an HF checkpoint: it has neither {INDEX_NAME} "
-                    f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder that holds them"
-                )
-            entries, _ = self._read_header(SINGLE_FILE_NAME)
-            return {key: SINGLE_FILE_NAME for key in entries}, None
-        return _parse_index(raw, self._url(INDEX_NAME))
+        return load_weight_map(self.fs, self.root, self._read_range)
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
-        if self._s3 is not None:
-            return self._s3.get_range(path, start, end)
-        return self.retry.call(
-            lambda: _fsio.read_range(self.fs, path, start, end), operation=f"read bytes {start}-{end - 1} of", url=_fsio.url_of(self.fs, path)
-        )
+        return read_bytes(self.fs, path, start, end, retry=self.retry, s3=self._s3)
 
     def _read_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int]:
-        path = _fsio.join(self.root, file)
-        where = self._url(file)
-        try:
-            size = self.fs.size(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{where}: file named by the checkpoint index does not exist") from None
-        raw = self._read_range(path, 0, min(size, _HEADER_PROBE))
-        n = header_length(raw, file_size=size, where=where)
-        if len(raw) < 8 + n:
-            raw += self._read_range(path, len(raw), 8 + n)
-        entries, _, data_start = decode_header(raw, file_size=size, where=where)
-        return {e.name: e for e in entries}, data_start
+        header = read_header(self.fs, self.root, file, self._read_range)
+        return header.by_name, header.data_start
 
 
 def coalesce(spans: list[tuple[int, int]], waste: float = 0.1, gap_bytes: int = READ_GAP_BYTES) -> list[tuple[int, int]]:
@@ -364,43 +325,4 @@ def coalesce(spans: list[tuple[int, int]], waste: float = 0.1, gap_bytes: int = 
         else:
             requests.append((start, end))
     return requests
-
-
-def _parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, int] | None]:
-    """Validate an HF index json; its weight map and its CRC32 checksums (``None`` if it has none)."""
-    try:
-        index = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise ValueError(f"{where}: needs a \"weight_map\" object mapping tensor names to file names")
-    for file in set(weight_map.values()):
-        norm = posixpath.normpath(file)
-        if file.startswith("/") or "\\" in file or norm.startswith("..") or norm != file or ":" in file:
-            raise ValueError(
-                f"{where}: weight_map names file {file!r}, which is not a plain relative path inside the "
-                f"checkpoint folder; only names like 'model-00001-of-00002.safetensors' are accepted"
-            )
-    return weight_map, _parse_checksums(index.get("metadata"), where)
-
-
-def _parse_checksums(metadata: Any, where: str) -> dict[str, int] | None:
-    if not isinstance(metadata, dict) or CHECKSUMS_KEY not in metadata:
-        return None
-    algorithm, table = metadata.get(CHECKSUM_ALGORITHM_KEY), metadata[CHECKSUMS_KEY]
-    if algorithm != CHECKSUM_ALGORITHM:
-        raise ValueError(f"{where}: metadata.{CHECKSUM_ALGORITHM_KEY} is {algorithm!r}; this version reads only {CHECKSUM_ALGORITHM!r}")
-    bad = ValueError(f"{where}: metadata.{CHECKSUMS_KEY} must map tensor names to CRC32 values of 8 hex digits")
-    if not isinstance(table, dict):
-        raise bad
-    out = {}
-    for key, value in table.items():
-        if not (isinstance(value, str) and len(value) == 8):
-            raise bad
-        try:
-            out[key] = int(value, 16)
-        except ValueError:
-            raise bad from None
-    return out
 
