@@ -5,13 +5,71 @@
 
     dcp.save(state_dict, storage_writer=HFStorageWriter("s3://bucket/run/step_1000"))
     dcp.load(state_dict, storage_reader=HFStorageReader("s3://bucket/run/step_1000"))
+
+The command line ``hf-dcp`` (``cli.py``) and the checkpoint tools behind it are exported here too.
+Names load on first use (PEP 562), so ``hf-dcp ls`` and ``prune`` start without importing torch.
 """
 
-from .planner import HFLoadPlanner, HFSavePlanner
-from ._retry import RetryPolicy
-from .manager import CheckpointManager
-from .reader import HFStorageReader
-from .writer import HFStorageWriter
+from __future__ import annotations
 
-__all__ = ["HFStorageWriter", "HFStorageReader", "HFSavePlanner", "HFLoadPlanner", "RetryPolicy", "CheckpointManager"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# name -> module that defines it
+_EXPORTS = {
+    "HFStorageWriter": "writer",
+    "HFStorageReader": "reader",
+    "HFSavePlanner": "planner",
+    "HFLoadPlanner": "planner",
+    "RetryPolicy": "_retry",
+    "CheckpointManager": "manager",
+    "inspect_checkpoint": "inspection",
+    "verify_checkpoint": "verify",
+    "consolidate_checkpoint": "consolidate",
+    "convert_dcp_to_hf": "convert",
+    "convert_hf_to_dcp": "convert",
+    "list_steps": "runs",
+    "prune_run": "runs",
+}
+__all__ = [
+    "HFStorageWriter",
+    "HFStorageReader",
+    "HFSavePlanner",
+    "HFLoadPlanner",
+    "RetryPolicy",
+    "CheckpointManager",
+    "inspect_checkpoint",
+    "verify_checkpoint",
+    "consolidate_checkpoint",
+    "convert_dcp_to_hf",
+    "convert_hf_to_dcp",
+    "list_steps",
+    "prune_run",
+]
+
+if TYPE_CHECKING:
+    from ._retry import RetryPolicy
+    from .consolidate import consolidate_checkpoint
+    from .convert import convert_dcp_to_hf, convert_hf_to_dcp
+    from .inspection import inspect_checkpoint
+    from .manager import CheckpointManager
+    from .planner import HFLoadPlanner, HFSavePlanner
+    from .reader import HFStorageReader
+    from .runs import list_steps, prune_run
+    from .verify import verify_checkpoint
+    from .writer import HFStorageWriter
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
