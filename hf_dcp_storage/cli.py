@@ -148,7 +148,7 @@ def _consolidate(args: argparse.Namespace, options: dict[str, Any]) -> int:
         _print_json(result)
         return status
     if report.already_complete:
-        print(f"{report.url}: already a complete checkpoint; nothing to consolidate (leftover staging removed)")
+        print(f"{report.url}: already a complete checkpoint; nothing to consolidate (any leftover staging removed)")
     else:
         print(
             f"consolidated {report.url}: {_count(len(report.files), 'file')}, {_count(report.tensors, 'tensor')}, {_size(report.tensor_bytes)} "
@@ -180,7 +180,7 @@ def _convert(args: argparse.Namespace, options: dict[str, Any]) -> int:
             )
     target = "hf" if source == "dcp" else "dcp"
     if args.json:
-        return _print_json({"source_format": source, "target_format": target, **_as_dict(report)})
+        return _print_json({"source_format": source, "target_format": target, **report.to_dict()})
     data_files = [f for f in report.files if f.endswith((".safetensors", ".distcp"))]  # not the index / .metadata
     print(
         f"converted {args.src} ({source}) -> {args.dst} ({target}): {_count(report.tensors, 'tensor')}, {_size(report.bytes)} "
@@ -188,9 +188,8 @@ def _convert(args: argparse.Namespace, options: dict[str, Any]) -> int:
     )
     if report.skipped:
         print(f"skipped {len(report.skipped)} entries: {', '.join(report.skipped[:20])}{' ...' if len(report.skipped) > 20 else ''}")
-    unused = getattr(report, "unused_rules", ())
-    if unused:
-        print(f"warning: key-mapping rules that matched no key: {', '.join(unused)}", file=sys.stderr)
+    if report.unused_rules:
+        print(f"warning: key-mapping rules that matched no key: {', '.join(report.unused_rules)}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -376,14 +375,6 @@ def _print_json(obj: Any) -> int:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return EXIT_OK
-
-
-def _as_dict(report: Any) -> dict[str, Any]:
-    if hasattr(report, "to_dict"):
-        return report.to_dict()
-    from dataclasses import asdict
-
-    return asdict(report)
 
 
 def _table(header: list[str], rows: list[list[Any]], right: set[int] = frozenset()) -> None:  # type: ignore[assignment]

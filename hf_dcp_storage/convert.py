@@ -148,6 +148,10 @@ class ConvertReport:
     seconds: float
     unused_rules: tuple[str, ...] = ()
 
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the fields (tuples as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
 
 # -- the shared driving code ------------------------------------------------------------------
 
