@@ -34,7 +34,7 @@ from ._retry import RetryPolicy
 from ._steps import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from ._trainstate import capture_rng, join, restore_rng, split
 from .reader import HFStorageReader
-from .runs import remove_step, scan_steps
+from .runs import remove_step, step_status
 from .writer import HFStorageWriter
 
 __all__ = ["CheckpointManager", "TRAINING_STATE_DIR"]
@@ -267,7 +267,7 @@ class CheckpointManager:
 
     def _list_steps(self) -> dict[int, bool]:
         """step -> complete?, for every ``step_N`` folder (rank 0); none before the first save."""
-        return {info.step: info.complete for info in scan_steps(self.fs, self.root, missing_ok=True)}
+        return step_status(self.fs, self.root, missing_ok=True)
 
     def _clear_step(self, step: int) -> str | None:
         """(rank 0) Make the step's folder empty, or say why not (a complete step, no overwrite)."""

@@ -5,14 +5,18 @@ once its commit marker ``COMMITTED`` exists (written last). ``CheckpointManager`
 ``hf-dcp ls`` / ``hf-dcp prune`` commands share this module, so the tool and the training job
 see the same steps and apply the same retention rules (``_steps.RetentionPolicy``).
 
-Listing is one recursive listing of the whole run (on S3 one paginated LIST, not one request per
-step); names are parsed strictly (``_steps.parse_step``), so other folders and files (``logs``,
+``list_steps`` (sizes, times: ``hf-dcp ls``) is one recursive listing of the whole run (on S3 one
+paginated LIST, not one request per step). Retention and ``latest()`` need only which steps are
+complete: ``step_status`` lists the run's top level and checks each step's marker, whatever the
+number of files inside the steps (thousands per step at thousands of ranks). Names are parsed
+strictly (``_steps.parse_step``), so other folders and files (``logs``,
 ``step_01``, ``notes.txt``) are never listed, counted or touched.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -21,9 +25,13 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 from . import _fsio
+from ._parallel import parallel_map
 from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
 
-__all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "prune_run", "remove_step"]
+__all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step"]
+
+# Commit-marker checks in flight at once (each is a request on an object store).
+_MARKER_CHECKS = 16
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,33 @@ def scan_steps(fs: AbstractFileSystem, root: str, *, missing_ok: bool = False) -
     return [_step_info(fs, root, step, groups[step]) for step in sorted(groups)]
 
 
+def step_status(fs: AbstractFileSystem, root: str, *, missing_ok: bool = False) -> dict[int, bool]:
+    """``step -> complete?`` for every step folder under ``root``, cheaply.
+
+    One listing of the run folder's top level and one existence check of each step's commit
+    marker (in parallel), never a listing of every file: what retention and ``latest()`` need
+    at any scale (a step saved by thousands of ranks holds thousands of files). Files named
+    like steps are not steps.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist and ``missing_ok`` is off.
+    """
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        if missing_ok:
+            return {}
+        raise FileNotFoundError(_missing(fs, root)) from None
+    if not entries and not missing_ok and not fs.isdir(root):
+        raise FileNotFoundError(_missing(fs, root))
+    steps = sorted(
+        s for e in entries if e.get("type") == "directory" and (s := parse_step(posixpath.basename(e["name"].rstrip("/")))) is not None
+    )
+    done = parallel_map(lambda s: _fsio.exists(fs, _fsio.join(root, step_name(s), COMMIT_MARKER)), steps, _MARKER_CHECKS)
+    return dict(zip(steps, done, strict=True))
+
+
 def remove_step(fs: AbstractFileSystem, root: str, step: int) -> None:
     """Delete the folder of ``step`` under ``root`` (nothing if it does not exist).
 
@@ -157,7 +192,7 @@ def prune_run(
     """
     policy = RetentionPolicy(keep_last_n, keep_every)
     fs, root = _fsio.resolve(run_dir, storage_options)
-    steps = {info.step: info.complete for info in scan_steps(fs, root)}
+    steps = step_status(fs, root)
     in_progress = () if include_unfinished else _newer_incomplete(steps)
     removed = to_remove(steps, policy, in_progress)
     if not dry_run:

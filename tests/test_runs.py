@@ -20,7 +20,7 @@ import torch
 
 from hf_dcp_storage import CheckpointManager
 from hf_dcp_storage._steps import COMMIT_MARKER, RetentionPolicy, to_remove
-from hf_dcp_storage.runs import PruneResult, StepInfo, _posix_mtime, list_steps, prune_run, remove_step
+from hf_dcp_storage.runs import PruneResult, StepInfo, _posix_mtime, list_steps, prune_run, remove_step, step_status
 
 COMPLETE = (10, 20, 30, 40)
 OLD_CRASH, IN_FLIGHT = 15, 50  # incomplete: older than the newest complete step, and newer
@@ -238,3 +238,23 @@ def test_on_s3_a_remove_cut_short_leaves_an_incomplete_step(proxied_run) -> None
     assert (half.complete, half.files) == (False, full.files - 1)
     assert prune_run(url, keep_last_n=1, include_unfinished=True, storage_options=options).removed == (1,)
     assert _files(fs, root) == {}
+
+
+def _check_step_status(url: str, options: dict | None) -> None:
+    fs, root = _build_run(url, options)
+    _put(fs, f"{root}/step_99", b"a file named like a step is not one")
+    status = step_status(fs, root)
+    assert status == {10: True, 15: False, 20: True, 30: True, 40: True, 50: False}
+    assert status == {info.step: info.complete for info in list_steps(url, storage_options=options)}
+    assert step_status(fs, root + "-missing", missing_ok=True) == {}
+
+
+def test_step_status_agrees_with_the_full_listing(url: str) -> None:
+    """Retention's cheap view (top-level listing + one marker check per step) sees exactly the
+    steps and completeness the full listing sees, files named like steps included."""
+    _check_step_status(url, None)
+
+
+def test_on_s3_step_status_agrees_with_the_full_listing(s3) -> None:
+    bucket, options = s3
+    _check_step_status(f"{bucket}/run", options)
