@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -333,18 +334,27 @@ def report_loads(loads: dict[int, dict[str, Any]], trained_loss: float, total_si
 
 def run_demo(args: argparse.Namespace, out_dir: Path, work_dir: str) -> list[str]:
     """Train and save, check the files, reload on 1 and 3 ranks; return every problem found."""
-    print(f"[1/3] training {args.steps} steps on {TRAIN_WORLD} CPU ranks (FSDP2), then saving to {out_dir}")
+    print(f"[1/4] training {args.steps} steps on {TRAIN_WORLD} CPU ranks (FSDP2), then saving to {out_dir}")
     trained = run_job(Job("train", TRAIN_WORLD, str(out_dir), work_dir, args.steps, args.overwrite))
     reference = torch.load(Path(work_dir) / REFERENCE_NAME, weights_only=True)
     params = sum(t.numel() for t in reference.values())
     print(f"  {len(reference)} tensors, {params:,} parameters; eval loss {trained['eval_loss']:.6f}")
-    print("[2/3] checking the files with safetensors.torch.load_file")
+    print("[2/4] checking the files with safetensors.torch.load_file")
     problems, total_size = check_files(out_dir, reference)
     print(f"  index total_size: {total_size:,} bytes ({total_size / MB:.2f} MB)")
     print(f"  save on {TRAIN_WORLD} ranks: {rate(total_size, trained['save_s'])}")
-    print(f"[3/3] reloading with HFStorageReader on {' and '.join(map(str, LOAD_WORLDS))} rank(s)")
+    print(f"[3/4] reloading with HFStorageReader on {' and '.join(map(str, LOAD_WORLDS))} rank(s)")
     loads = {w: run_job(Job("load", w, str(out_dir), work_dir)) for w in LOAD_WORLDS}
-    return problems + report_loads(loads, trained["eval_loss"], total_size)
+    problems += report_loads(loads, trained["eval_loss"], total_size)
+    print(f"[4/4] hf-dcp verify {out_dir}  (the command line: structure and every recorded checksum)")
+    return problems + run_verify(out_dir)
+
+
+def run_verify(out_dir: Path) -> list[str]:
+    """``hf-dcp verify`` on the checkpoint, as a user would run it; its verdict is a problem if not 0."""
+    proc = subprocess.run([sys.executable, "-m", "hf_dcp_storage", "verify", str(out_dir)], capture_output=True, text=True)
+    print("\n".join(f"  {line}" for line in (proc.stdout + proc.stderr).strip().splitlines()))
+    return [] if proc.returncode == 0 else [f"hf-dcp verify exited {proc.returncode}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  removed {out_dir} (--clean)")
     else:
         print(f"  checkpoint kept in {out_dir}")
-    print(f"DEMO OK: trained, saved, verified with safetensors, reloaded on 1 and 3 ranks in {elapsed:.1f} s")
+    print(f"DEMO OK: trained, saved, verified with safetensors and hf-dcp, reloaded on 1 and 3 ranks in {elapsed:.1f} s")
     return 0
 
 
