@@ -1,0 +1,115 @@
+"""Planning at scale, simulated: the synthetic plans of ``benchmarks/_synthetic_plans.py`` are what
+DCP makes from real DTensors, and the coordinator's planning stays linear in ranks x tensors.
+
+The growth checks compare two sizes of one simulation (4x the ranks, or 4x the tensors) rather
+than a wall-clock threshold, so they hold on a slow or busy machine but fail if a step turns
+quadratic: the planning time may grow at most 8x for 4x the write items (linear is 4x, quadratic
+16x), and what each rank receives (its pickled ``storage_data``) must not grow with the ranks.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from _dist import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, placements_for, rank_load_state_dict, rank_save_plan, shard_range  # noqa: E402
+from bench_scale import dcp_global_plan, plan_ours  # noqa: E402
+
+from hf_dcp_storage import HFStorageWriter  # noqa: E402
+
+# Every dimension splits unevenly over 4 ranks and over a 2x2 mesh, and on 4 ranks the last
+# one holds an empty shard of k/v (3 rows: 1, 1, 1, 0).
+UNEVEN = LlamaConfig(layers=2, hidden=7, intermediate=10, kv_dim=3, vocab=11)
+# Wide enough (0.35 GB of bf16 a layer plus embeddings, shapes only) that S3 planning cuts many
+# parts. One layer over 256 -> 1,024 ranks: an accidental O(ranks x items) step (each rank
+# scanning every plan) then costs several times the linear work and fails the check.
+SCALING = LlamaConfig(layers=1, hidden=2048, intermediate=5632, kv_dim=256, vocab=32000)
+
+
+def test_shard_range_follows_torch_chunk() -> None:
+    for size in range(12):
+        for chunks in range(1, 9):
+            pieces = torch.arange(size).chunk(chunks)
+            for i in range(chunks):
+                offset, length = shard_range(size, chunks, i)
+                expected = pieces[i] if i < len(pieces) else torch.arange(0)
+                assert length == len(expected), (size, chunks, i)
+                assert offset == (int(expected[0]) if length else size), (size, chunks, i)
+
+
+def _compare_with_dtensors(rank: int, world: int) -> None:
+    """On every rank: DCP's own local save plan and load plan of real DTensors equal the synthetic ones."""
+    shapes = llama_shapes(UNEVEN)
+    for mesh in (Mesh(world), Mesh(world // 2, 2)):
+        device_mesh = init_device_mesh("cpu", mesh.shape)
+        sd = {}
+        for key, shape in shapes:
+            placements = [Replicate() if d is None else Shard(d) for d in placements_for(shape, mesh)]
+            sd[key] = distribute_tensor(torch.zeros(shape, dtype=torch.bfloat16), device_mesh, placements)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(sd, is_coordinator=rank == 0)
+        real = planner.create_local_plan()
+        synthetic = rank_save_plan(shapes, mesh, rank)
+        for got, want in zip(synthetic.items, real.items, strict=True):
+            assert got == want, f"mesh {mesh}, rank {rank}: synthetic {got} != DCP's {want}"
+        assert synthetic.planner_data == real.planner_data
+        # Load side: the shape-only destination asks for the same reads as the DTensors.
+        md = Metadata(
+            {
+                key: TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(shape), [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))])
+                for key, shape in shapes
+            }
+        )
+        assert create_default_local_load_plan(rank_load_state_dict(shapes, mesh, rank), md).items == create_default_local_load_plan(sd, md).items
+
+
+@pytest.mark.distributed
+def test_synthetic_plans_equal_dcp_plans_of_real_dtensors() -> None:
+    run_ranks(_compare_with_dtensors, 4)
+
+
+def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, int, int]:
+    """(best of 3 seconds of our coordinator planning, largest pickled storage_data, write items)."""
+    shapes = llama_shapes(cfg)
+    writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
+    plans = [writer.prepare_local_plan(rank_save_plan(shapes, Mesh.of(world, tp), r)) for r in range(world)]
+    global_plan, _ = dcp_global_plan(plans, {})
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        ours = plan_ours(writer, global_plan, mode)
+        best = min(best, time.perf_counter() - t)
+    sent = max(len(pickle.dumps(p.storage_data)) for p in ours.rank_plans)
+    return best, sent, sum(len(p.items) for p in global_plan)
+
+
+@pytest.mark.parametrize("tp, mode", [(1, "local"), (1, "s3"), (2, "local")], ids=["fsdp-local", "fsdp-s3", "fsdp_tp-local"])
+def test_planning_stays_linear_in_ranks(tp: int, mode: str) -> None:
+    t1, sent1, items1 = _measure(SCALING, 256, tp, mode)
+    t4, sent4, items4 = _measure(SCALING, 1024, tp, mode)
+    assert items4 >= 3 * items1  # fewer than 4x: DCP's dedup drops the trailing ranks' empty shards
+    assert t4 <= 8 * t1 * items4 / (4 * items1), f"4x the ranks: planning {t1 * 1e3:.1f} ms -> {t4 * 1e3:.1f} ms ({t4 / t1:.1f}x), worse than linear"
+    # Each rank receives its own part only: the same items, so about the same bytes, at 4x the ranks.
+    assert sent4 <= 1.1 * sent1 + 1024, f"per-rank storage_data grew from {sent1} to {sent4} bytes with 4x the ranks"
+
+
+@pytest.mark.parametrize("mode", ["local", "s3"])
+def test_planning_stays_linear_in_tensors(mode: str) -> None:
+    few = LlamaConfig(4, SCALING.hidden, SCALING.intermediate, SCALING.kv_dim, SCALING.vocab)
+    many = LlamaConfig(16, SCALING.hidden, SCALING.intermediate, SCALING.kv_dim, SCALING.vocab)
+    t1, _, items1 = _measure(few, 64, 1, mode)
+    t4, _, items4 = _measure(many, 64, 1, mode)
+    assert items4 >= 3 * items1
+    assert t4 <= 8 * t1 * items4 / (4 * items1), f"{items4 / items1:.1f}x the tensors: planning {t1 * 1e3:.1f} ms -> {t4 * 1e3:.1f} ms ({t4 / t1:.1f}x), worse than linear"
