@@ -1,0 +1,249 @@
+"""``dcp.async_save`` through ``HFStorageWriter`` on every backend (issue 6, async save).
+
+The contract tested here: the call returns once the tensors are staged (copied); the write runs
+in the background; what it writes is byte for byte what a synchronous ``dcp.save`` of the same
+state dict writes (every file, the index included); tensors changed by training after the call
+(after staging completed, where the API reports staging separately) do not reach the checkpoint;
+an error of the background write comes out of the future and leaves an existing checkpoint as it
+was.
+
+Making "the change happened before the write" deterministic, without sleeps:
+
+* one process: the save runs with a real ``DefaultSavePlanner`` (the one ``dcp.save`` uses by
+  default) whose local planning, in the save's background thread, first waits for an event the
+  test sets only after it has changed every tensor. The writer therefore reads the tensors
+  strictly after the change: a save that skipped staging would write the changed values and
+  fail the byte comparison.
+* two ranks: rank 1 calls ``async_save`` only after a barrier that rank 0 reaches after changing
+  its tensors, and rank 0's background save cannot get past planning (a gather of every rank's
+  plan on the save's own process group) before rank 1 has joined it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import posixpath
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load as st_load
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from hf_dcp_storage import HFStorageWriter
+
+from _checks import raises_in_checkpoint
+from _data import assert_same, random_tensor, same, seed_of
+from _dist import run_ranks
+
+# Key -> (shape, dtype). Odd row counts make uneven Shard(0) chunks on two ranks.
+TENSORS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "model.embed_tokens.weight": ((96, 32), torch.bfloat16),
+    "model.layers.0.mlp.up_proj.weight": ((33, 16), torch.float32),
+    "model.norm.weight": ((32,), torch.float32),
+    "step": ((3,), torch.int64),
+}
+# Two ranks also save a 12 MiB matrix: 6 MiB per rank, so on S3 each rank uploads a multipart part
+# of its own into the consolidated file (parts under 5 MiB would all be gathered by rank 0).
+LARGE = {"model.layers.0.mlp.down_proj.weight": ((3072, 2048), torch.bfloat16)}
+
+# Upper bound on any wait: a broken save fails the test instead of hanging it.
+WAIT_S = 60.0
+
+moto_only = pytest.mark.parametrize("s3_endpoint", ["moto"], indirect=True)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _originals(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """The full tensors, rebuilt identically by any process from their key names."""
+    return {key: random_tensor(shape, dtype, seed_of(key)) for key, (shape, dtype) in spec.items()}
+
+
+def _train_step(state_dict: Mapping[str, torch.Tensor]) -> None:
+    """What an optimizer step does to the saved objects: change every tensor in place."""
+    for tensor in state_dict.values():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local.add_(1)
+
+
+def _files(url: str, options: dict | None) -> dict[str, bytes]:
+    """``path relative to url -> content`` of every object under ``url`` (any fsspec store)."""
+    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    root = root.rstrip("/")
+    return {posixpath.relpath(p, root): fs.cat_file(p) for p in sorted(fs.find(root))}
+
+
+def _tensors(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's files, parsed by ``safetensors`` itself."""
+    index = json.loads(files["model.safetensors.index.json"])
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(st_load(files[name]))
+    assert set(out) == set(index["weight_map"]), f"files hold {sorted(out)}, index lists {sorted(index['weight_map'])}"
+    return out
+
+
+def _assert_same_checkpoints(async_url: str, sync_url: str, options: dict | None, originals: Mapping[str, torch.Tensor]) -> None:
+    """Byte-identical folders, holding exactly ``originals`` (the values before the change)."""
+    got, expected = _files(async_url, options), _files(sync_url, options)
+    assert sorted(got) == sorted(expected), f"async save wrote {sorted(got)}, sync save {sorted(expected)}"
+    differ = [name for name in expected if got[name] != expected[name]]
+    assert not differ, f"async save differs from the sync save in {differ}"
+    saved = _tensors(got)
+    assert set(saved) == set(originals)
+    for key, original in originals.items():
+        assert_same(saved[key], original, f"{async_url}: {key}")
+
+
+class _GatedPlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose local planning waits for ``gate``.
+
+    ``create_local_plan`` runs in the save's background thread before any byte is written, so
+    while the gate is closed the write has certainly not started (and its future is not done).
+    """
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def create_local_plan(self) -> SavePlan:
+        if not self.gate.wait(WAIT_S):
+            raise TimeoutError(f"the test did not open the gate within {WAIT_S} s")
+        return super().create_local_plan()
+
+
+def _stager(staging: str) -> DefaultStager | None:
+    """``blocking``: async_save's own default (the copy is made inside the call); ``background``:
+    the copy is made by a staging thread and reported by ``AsyncSaveResponse.staging_completion``."""
+    if staging == "blocking":
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))
+
+
+def _completions(response: Any) -> tuple[concurrent.futures.Future, concurrent.futures.Future]:
+    """(staging done, write done) of an ``async_save`` result, whichever form it took."""
+    if isinstance(response, AsyncSaveResponse):
+        return response.staging_completion, response.upload_completion
+    staged: concurrent.futures.Future = concurrent.futures.Future()
+    staged.set_result(None)  # a plain future: the call itself staged the state dict
+    return staged, response
+
+
+# -- one process: every backend ------------------------------------------------------------------
+
+
+def _check_async_equals_sync(base: str, options: dict | None, staging: str) -> None:
+    sync_url, async_url = f"{base}/sync", f"{base}/async"
+    originals = _originals(TENSORS)
+    sd = {key: t.clone() for key, t in originals.items()}
+    dcp.save(sd, storage_writer=HFStorageWriter(sync_url, storage_options=options))
+
+    gate = threading.Event()
+    stager = _stager(staging)
+    try:
+        response = dcp.async_save(
+            sd, storage_writer=HFStorageWriter(async_url, storage_options=options), planner=_GatedPlanner(gate), async_stager=stager
+        )
+        assert isinstance(response, AsyncSaveResponse) == (staging == "background")
+        staged, written = _completions(response)
+        staged.result(timeout=WAIT_S)  # from here on training may change the tensors
+        assert not written.done(), "the write finished while its planner was still waiting"
+        _train_step(sd)
+        gate.set()
+        written.result(timeout=WAIT_S)
+    finally:
+        gate.set()  # never leave the background thread waiting on a failed test
+        if stager is not None:
+            stager.close()  # a stager passed in is the caller's to close
+    for key, original in originals.items():
+        assert not same(sd[key], original), f"{key}: the training step did not change it"
+    _assert_same_checkpoints(async_url, sync_url, options, originals)
+
+
+@pytest.mark.parametrize("staging", ["blocking", "background"])
+def test_async_save_equals_sync_save_and_ignores_later_changes(url: str, staging: str) -> None:
+    _check_async_equals_sync(url, None, staging)
+
+
+@pytest.mark.parametrize("staging", ["blocking", "background"])
+def test_async_save_equals_sync_save_and_ignores_later_changes_on_s3(s3: tuple[str, dict], staging: str) -> None:
+    bucket, options = s3
+    _check_async_equals_sync(f"{bucket}/run", options, staging)
+
+
+def _check_failed_write(url: str, options: dict | None) -> None:
+    originals = _originals(TENSORS)
+    dcp.save(originals, storage_writer=HFStorageWriter(url, storage_options=options))
+    before = _files(url, options)
+    changed = {key: t.clone() for key, t in originals.items()}
+    _train_step(changed)
+    fut = dcp.async_save(changed, storage_writer=HFStorageWriter(url, storage_options=options))
+    # The refusal happens in the background thread (the coordinator's prepare_global_plan).
+    with raises_in_checkpoint(FileExistsError, "already holds a complete checkpoint"):
+        fut.result(timeout=WAIT_S)
+    assert _files(url, options) == before, "the refused save changed the existing checkpoint"
+
+
+def test_failed_background_write_raises_from_the_future_and_keeps_the_checkpoint(url: str) -> None:
+    _check_failed_write(url, None)
+
+
+def test_failed_background_write_raises_from_the_future_and_keeps_the_checkpoint_on_s3(s3: tuple[str, dict]) -> None:
+    bucket, options = s3
+    _check_failed_write(f"{bucket}/run", options)
+
+
+# -- two gloo ranks, DTensor Shard(0) ----------------------------------------------------------------
+
+
+def _two_ranks(rank: int, world: int, base: str, options: dict | None) -> None:
+    """Sync save to ``base/sync``, then async save to ``base/async`` on an extra gloo group (as
+    ``CheckpointManager`` does), changing every local shard right after the call returns."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    # src_data_rank=None: every rank builds the same full tensor, so no scatter is needed.
+    sd = {k: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for k, t in _originals({**TENSORS, **LARGE}).items()}
+    dcp.save(sd, storage_writer=HFStorageWriter(f"{base}/sync", storage_options=options))
+    # Background collectives must not share a group with the training loop's collectives.
+    group = dist.new_group(backend="gloo")
+    if rank == 1:
+        dist.barrier()  # joins the save only after rank 0 has changed its shards
+    fut = dcp.async_save(sd, storage_writer=HFStorageWriter(f"{base}/async", storage_options=options), process_group=group)
+    if rank == 0:
+        # Deterministic: rank 0's save is stuck in planning until rank 1 calls async_save,
+        # which it does only after the barrier below, i.e. after this rank's change.
+        assert not fut.done(), "rank 0's save finished before rank 1 joined it"
+    _train_step(sd)
+    if rank == 0:
+        dist.barrier()
+    fut.result(timeout=WAIT_S)
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.distributed
+def test_two_ranks_async_save_equals_sync_save_local(tmp_path) -> None:
+    base = str(tmp_path / "run")
+    run_ranks(_two_ranks, 2, base, None)
+    _assert_same_checkpoints(f"{base}/async", f"{base}/sync", None, _originals({**TENSORS, **LARGE}))
+
+
+@pytest.mark.distributed
+@moto_only
+def test_two_ranks_async_save_equals_sync_save_on_s3(s3: tuple[str, dict]) -> None:
+    bucket, options = s3
+    base = f"{bucket}/run"
+    run_ranks(_two_ranks, 2, base, options)
+    _assert_same_checkpoints(f"{base}/async", f"{base}/sync", options, _originals({**TENSORS, **LARGE}))
