@@ -5,7 +5,10 @@ simulated in one process from shapes alone (no tensors, no process group, no sto
         --md-out benchmarks/results/2026-11_scale-cpu-2core.md
 
 Each case (model, ranks N, tensor-parallel degree) runs in a fresh process, phase by phase, as
-``dcp.save`` and ``dcp.load`` would run them with ``HFStorageWriter``/``HFStorageReader``:
+``dcp.save`` and ``dcp.load`` would run them with ``HFStorageWriter``/``HFStorageReader``, with
+the object plans DCP gathers by default. Local-disk saves no longer use them: they send compact
+plans (``_compact.py``), measured by ``bench_compact.py``; here ``local`` is the object path's
+direct-write planning, kept for comparison, and ``s3`` is what S3 saves run:
 
 1. ranks (simulated one after another; not coordinator time): each builds the ``SavePlan``
    ``DefaultSavePlanner`` makes from its DTensor shards (``_synthetic_plans``), calls the writer's
@@ -202,13 +205,18 @@ def _rank_plans(layout: Layout, plans: list[SavePlan], placements: list[dict[Any
     """Every rank's plan with its ``_RankPlan``: the loop of ``prepare_global_plan``, verbatim."""
     save_id = "0" * 32
     names = layout.names
+    own: dict[int, dict[int, list[RankPart]]] = {}
+    for f, parts in enumerate(s3_parts or ()):
+        for p in parts:
+            if isinstance(p, RankPart):
+                own.setdefault(p.rank, {}).setdefault(f, []).append(p)
     rank_plans = []
     for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
         s3_plan = None
         if s3_parts is not None:
-            mine = {f: tuple(p for p in parts if isinstance(p, RankPart) and p.rank == rank) for f, parts in enumerate(s3_parts)}
+            mine = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
             headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
-            s3_plan = _S3RankPlan(uploads, {f: ps for f, ps in mine.items() if ps}, headers)
+            s3_plan = _S3RankPlan(uploads, mine, headers)
         rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, names, placed, s3_plan)))
     return rank_plans
 
@@ -440,7 +448,8 @@ def run_case(spec: dict[str, Any]) -> None:
     cfg = LLAMA[spec["model"]] if spec["model"] in LLAMA else LlamaConfig(**spec["config"])
     shapes = llama_shapes(cfg)
     mesh = Mesh.of(spec["world"], spec["tp"])
-    writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"])
+    # Object plans (staged mode): a local-disk writer would send compact plans (bench_compact.py).
+    writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"], direct_write=False)
     runs = count_runs(shapes, mesh)
     modes = [m for m in spec["modes"] if m != "s3" or runs <= spec["max_runs"]]
     rep = _Reporter()

@@ -185,7 +185,7 @@ def _entry(name: str, spec: object, where: str) -> TensorEntry:
         or offsets[0] > offsets[1]
     ):
         raise HeaderError(f"{where}: tensor {name!r} has invalid data_offsets {offsets!r}")
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != expected:
         raise HeaderError(
             f"{where}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but dtype {spec['dtype']} "

@@ -81,7 +81,8 @@ def parse_size(size: int | str) -> int:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype`` (no tensor is made: planning calls this per chunk)."""
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import _fsio
+from ._compact import LocalChunks, TablePlan, check_and_dedup, encode_local, gather, table_plans, xor_shares
 from ._crc import CrcAccumulator
 from ._header import dtype_name
 from ._layout import (
@@ -64,6 +66,9 @@ class _RankPlan:
     files: tuple[str, ...]
     placements: Mapping[MetadataIndex, Placement]
     s3: _S3RankPlan | None = None
+    # Compact plans (direct mode): placements per row of the rank's key table, which the rank
+    # turns into ``placements`` for the write items it kept (``_compact.py``).
+    table: TablePlan | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,19 @@ class _Written:
     parts: tuple[dict[str, Any], ...] = ()  # S3: ETags of this rank's parts of the file (its last item)
 
 
+@dataclass(frozen=True)
+class _WrittenRows:
+    """Compact plans: a rank's one ``WriteResult.storage_data`` for all its items: the key-table
+    row and CRC32 share of each item it wrote (what ``finish`` needs; the rest stays in its record)."""
+
+    rows: Any  # np.ndarray int64
+    crcs: Any  # np.ndarray uint32
+
+
+# The ``WriteResult.index`` of a rank's packed results (compact plans).
+_PACKED = MetadataIndex("__hf_dcp_rank_results__")
+
+
 class HFStorageWriter(StorageWriter):
     """Save a DCP state dict as a consolidated Hugging Face safetensors checkpoint.
 
@@ -96,9 +114,13 @@ class HFStorageWriter(StorageWriter):
     Call sequence (DCP drives it):
 
     1. (all ranks) ``prepare_local_plan``: rejects non-tensor values and unsupported dtypes
-       before anything is written.
+       before anything is written. On local disk the rank keeps its write items and sends only
+       their chunks, as arrays (``_compact.py``): the coordinator's planning then costs
+       microseconds per rank, not DCP's object gather and pairwise overlap check.
     2. (coordinator) ``prepare_global_plan``: computes the complete layout from every rank's
-       write items (file of each key, headers, byte position of every chunk), refuses to replace
+       write items (file of each key, headers, byte position of every chunk; on local disk:
+       checks that each tensor's chunks tile it and picks one writer per replicated chunk,
+       spreading them by bytes), refuses to replace
        a complete checkpoint unless ``overwrite=True``, and on local disk creates every file at
        its final size with its header; on S3 it plans every file's multipart parts and creates
        the uploads. It records the plan in ``.hf_dcp_staging/save.json`` (``_staging.py``).
@@ -185,6 +207,10 @@ class HFStorageWriter(StorageWriter):
         self._items: dict[MetadataIndex, WriteItem] = {}
         self._s3_parts: list[list[RankPart | GatherPart]] | None = None
         self._uploads: dict[int, str] = {}
+        # Compact plans: this rank's write items, kept here while DCP gathers only their
+        # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.
+        self._local: tuple[list[WriteItem], LocalChunks] | None = None
+        self._tables: tuple[list[Any], Any] | None = None
         self.merge_stats = MergeStats()
         # Where staged objects are read from when merging: this folder, unless an interrupted
         # save elsewhere is being finished into it (``consolidate``).
@@ -207,7 +233,13 @@ class HFStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """(all ranks) Reject what safetensors cannot hold; record this rank's key order."""
+        """(all ranks) Reject what safetensors cannot hold; record this rank's key order.
+
+        In direct mode (local disk) the plan DCP gathers carries no write items: the rank keeps
+        them and sends their chunks as arrays (``_compact.LocalChunks``), since the coordinator
+        needs nothing per chunk there. DCP's own planner then sees empty plans (nothing to
+        deduplicate or validate); ``prepare_global_plan`` does both, linearly.
+        """
         not_tensors = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
         if not_tensors:
             raise ValueError(
@@ -217,19 +249,49 @@ class HFStorageWriter(StorageWriter):
         for item in plan.items:
             assert item.tensor_data is not None  # every non-BYTE_IO item carries tensor data
             dtype_name(item.tensor_data.properties.dtype, key=item.index.fqn)
+        self._local = None
+        if self._direct_mode():
+            self._local = (list(plan.items), encode_local(plan.items))
+            planner_data = plan.planner_data
+            if isinstance(planner_data, Mapping) and all(tuple(path) == (key,) for key, path in planner_data.items()):
+                # DCP's flattening map of a flat state dict (each key to itself) says nothing, and
+                # gathered from thousands of ranks it would cost the coordinator GiBs.
+                planner_data = {}
+            return dataclasses.replace(plan, items=[], storage_data=self._local[1], planner_data=planner_data)
         order = tuple(dict.fromkeys(item.index.fqn for item in plan.items))
         return dataclasses.replace(plan, storage_data=order)
 
+    def _direct_mode(self) -> bool:
+        """Positioned writes into the final files: the same answer on every rank."""
+        return self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Plan the whole layout, then prepare the destination for writing."""
+        stale = [rank for rank, p in enumerate(plans) if not p.usable]
+        if stale:
+            # DCP's plan caching sends ``usable=False`` for a plan it reuses, with the previous
+            # save's storage data: its layout, save id and placements, which this save cannot reuse.
+            raise ValueError(
+                f"ranks {stale[:8]} sent a cached plan (DefaultSavePlanner(enable_plan_caching=True)); "
+                f"HFStorageWriter plans every save afresh. Use a planner without enable_plan_caching"
+            )
         # Step 1: pure planning: file of each key, headers, placement of every chunk.
-        specs = collect_tensor_specs(plans, key_order=[p.storage_data or () for p in plans])
-        layout = plan_layout(
-            specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping
-        )
-        direct = self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
-        mode = "direct" if direct else "s3" if self._s3 is not None else "staged"
-        placements = self._adopt(layout, mode, plans)
+        compact = [p.storage_data for p in plans if isinstance(p.storage_data, LocalChunks)]
+        tables: list[TablePlan] | None = None
+        if compact:
+            if len(compact) != len(plans):
+                raise RuntimeError(f"{len(compact)} of {len(plans)} ranks sent compact plans; every rank must use the same HFStorageWriter options")
+            layout, tables = self._plan_compact(compact)
+            placements: list[dict[MetadataIndex, Placement]] = [{} for _ in plans]
+            direct, mode = True, "direct"
+        else:
+            specs = collect_tensor_specs(plans, key_order=[p.storage_data or () for p in plans])
+            layout = plan_layout(
+                specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping
+            )
+            direct = self._direct_mode()
+            mode = "direct" if direct else "s3" if self._s3 is not None else "staged"
+            placements = self._adopt(layout, mode, plans)
         # Step 2: I/O on the destination, still before any rank writes data.
         self._prepare_destination(layout, direct)
         if self._s3_parts is not None:
@@ -243,15 +305,31 @@ class HFStorageWriter(StorageWriter):
                 self._abort_uploads(layout.names, self._uploads)
             raise
         names = layout.names
+        # Each rank's own S3 parts, by file: one pass over all parts, not one per rank.
+        own: dict[int, dict[int, list[RankPart]]] = {}
+        for f, parts in enumerate(self._s3_parts or ()):
+            for p in parts:
+                if isinstance(p, RankPart):
+                    own.setdefault(p.rank, {}).setdefault(f, []).append(p)
         rank_plans = []
         for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
             s3_plan = None
             if self._s3_parts is not None:
-                mine = {f: tuple(p for p in parts if isinstance(p, RankPart) and p.rank == rank) for f, parts in enumerate(self._s3_parts)}
+                mine = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
                 headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
-                s3_plan = _S3RankPlan(self._uploads, {f: ps for f, ps in mine.items() if ps}, headers)
-            rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, names, placed, s3_plan)))
+                s3_plan = _S3RankPlan(self._uploads, mine, headers)
+            table = tables[rank] if tables is not None else None
+            rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, names, placed, s3_plan, table)))
         return rank_plans
+
+    def _plan_compact(self, chunks: list[LocalChunks]) -> tuple[Layout, list[TablePlan]]:
+        """(coordinator) The layout and each rank's table plan from compact local plans. No I/O."""
+        g = gather(chunks)
+        dedup = check_and_dedup(g)
+        layout = plan_layout(g.specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping)
+        self._layout, self._direct, self._items, self._s3_parts, self._uploads = layout, True, {}, None, {}
+        self._tables = (g.table_keys, g.table_of_rank)
+        return layout, table_plans(g, layout, dedup)
 
     def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> list[dict[MetadataIndex, Placement]]:
         """(coordinator) Take ``layout`` and every rank's items as this save's plan, written in
@@ -264,27 +342,59 @@ class HFStorageWriter(StorageWriter):
         self._items = {item.index: item for plan in plans for item in plan.items}
         self._s3_parts = _plan_s3_parts(layout, plans, placements) if mode == "s3" else None
         self._uploads = dict(uploads or {})
+        self._tables = None
         return placements
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Write this rank's bytes: in place on local disk, else staged objects; then
         record what was written (the save's ``rank{r}.json``), so an interrupted save can be finished."""
         rank_plan: _RankPlan = plan.storage_data
+        items = plan.items
+        if rank_plan.table is not None:
+            items, rank_plan = self._unpack_table(rank_plan)
         if rank_plan.direct:
-            results = self._write_direct(plan.items, rank_plan, planner)
+            results = self._write_direct(items, rank_plan, planner)
         elif rank_plan.s3 is not None:
-            results = self._write_s3(plan.items, rank_plan, planner)
+            results = self._write_s3(items, rank_plan, planner)
         else:
-            results = self._write_staged(plan.items, rank_plan, planner)
+            results = self._write_staged(items, rank_plan, planner)
         try:
-            self._put(_fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), _rank_record(rank_plan, plan.items, results).encode())
+            self._put(_fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), _rank_record(rank_plan, items, results).encode())
         except BaseException:
             if rank_plan.s3 is not None:
                 self._abort_uploads(rank_plan.files, rank_plan.s3.uploads)
             raise
+        if rank_plan.table is not None:
+            results = self._pack_results(items, results)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _unpack_table(self, rank_plan: _RankPlan) -> tuple[list[WriteItem], _RankPlan]:
+        """(each rank, compact plans) The write items this rank kept, with their placements."""
+        if self._local is None:
+            raise RuntimeError("HFStorageWriter.write_data got a compact plan, but this rank's prepare_local_plan did not make one")
+        all_items, local = self._local
+        table = rank_plan.table
+        assert table is not None
+        keep = np.ones(len(all_items), dtype=bool)
+        keep[table.skip] = False
+        rows = local.rows[:, 0]
+        placements, items = {}, []
+        for i in np.flatnonzero(keep).tolist():
+            row = int(rows[i])
+            items.append(all_items[i])
+            placements[all_items[i].index] = Placement(int(table.file[row]), int(table.start[row]))
+        return items, dataclasses.replace(rank_plan, placements=placements)
+
+    def _pack_results(self, items: list[WriteItem], results: list[WriteResult]) -> list[WriteResult]:
+        """(each rank, compact plans) One result for all items: their table rows and CRC shares."""
+        assert self._local is not None
+        all_items, local = self._local
+        position = {item.index: i for i, item in enumerate(all_items)}
+        rows = local.rows[[position[r.index] for r in results], 0] if results else np.empty(0, dtype=np.int64)
+        crcs = np.array([r.storage_data.crc for r in results], dtype=np.uint32)
+        return [WriteResult(_PACKED, sum(r.size_in_bytes for r in results), _WrittenRows(rows, crcs))]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Merge staged objects if any, then commit by writing the index."""
@@ -298,10 +408,11 @@ class HFStorageWriter(StorageWriter):
             self._complete_s3(layout, results)
         else:
             self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs])
-        checksums = dict.fromkeys(layout.weight_map, 0)
-        for rank_results in results:
-            for r in rank_results:
-                checksums[r.index.fqn] ^= r.storage_data.crc
+        checksums = self._checksums(layout, results)
+        if metadata is not None and self._tables is not None and not metadata.state_dict_metadata:
+            # Compact plans left DCP's metadata empty; what dcp.save returns should describe the
+            # checkpoint as HFStorageReader will: one whole-tensor chunk per key.
+            metadata.state_dict_metadata.update(_whole_tensors(layout))
         index = {
             "metadata": {
                 "total_size": layout.total_size,
@@ -313,6 +424,20 @@ class HFStorageWriter(StorageWriter):
         self._put(_fsio.join(self.root, INDEX_NAME), _json_bytes(index))
         # After the commit: until the index exists, the records are what can finish the save.
         _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
+
+    def _checksums(self, layout: Layout, results: list[list[WriteResult]]) -> dict[str, int]:
+        """Each key's CRC32: the XOR of the shares every rank reported for it."""
+        if results and results[0] and isinstance(results[0][0].storage_data, _WrittenRows):
+            assert self._tables is not None
+            keys, table_of_rank = self._tables
+            specs = list(layout.specs)  # in key-table order: the layout was planned from it
+            shares = [(rs[0].storage_data.rows, rs[0].storage_data.crcs) for rs in results]
+            return dict(zip(specs, xor_shares(keys, table_of_rank, shares, len(specs)).tolist(), strict=True))
+        checksums = dict.fromkeys(layout.weight_map, 0)
+        for rank_results in results:
+            for r in rank_results:
+                checksums[r.index.fqn] ^= r.storage_data.crc
+        return checksums
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -617,6 +742,15 @@ def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterabl
         sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
         part = tensor[r0:r1] if sizes else tensor
         yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+
+
+def _whole_tensors(layout: Layout) -> dict[str, TensorStorageMetadata]:
+    """DCP metadata of the consolidated checkpoint: one whole-tensor chunk per key."""
+    out = {}
+    for key, spec in layout.specs.items():
+        size = torch.Size(spec.shape)
+        out[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), size, [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+    return out
 
 
 def _rank_record(rank_plan: _RankPlan, items: list[WriteItem], results: list[WriteResult]) -> RankRecord:

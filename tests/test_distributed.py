@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from _data import ALL_DTYPES, DTYPE_IDS, assert_same, assert_same_files, random_tensor, read_checkpoint, seed_of
 from _dist import run_ranks
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter
+from hf_dcp_storage._staging import RankRecord, rank_record_name
 
 pytestmark = pytest.mark.distributed
 
@@ -279,10 +280,12 @@ class _RecordingWriter(HFStorageWriter):
         self.record_to = record_to
 
     def finish(self, metadata, results):  # type: ignore[no-untyped-def]
+        # What each rank recorded having written (its record, read before the commit removes it).
+        staging = Path(self.root) / STAGING_DIR
         written = [
-            {"rank": rank, "key": r.index.fqn, "offset": list(r.index.offset or ()), "bytes": r.size_in_bytes}
-            for rank, rank_results in enumerate(results)
-            for r in rank_results
+            {"rank": rank, "key": item.key, "offset": list(item.offsets), "bytes": item.nbytes}
+            for rank in range(len(results))
+            for item in RankRecord.decode((staging / rank_record_name(rank)).read_bytes(), "test").items
         ]
         Path(self.record_to).write_text(json.dumps(written))
         super().finish(metadata, results)

@@ -1,0 +1,193 @@
+"""Save planning at scale with compact plans (direct writes: local disk, NFS, Lustre), simulated:
+Llama 8B-405B over up to 8,192 ranks, in one process from shapes alone.
+
+    python benchmarks/bench_compact.py --cases 8B:1024,70B:1024,405B:1024,405B:8192 --tp 1,8 \\
+        --md-out benchmarks/results/2026-11_compact-cpu-2core.md
+
+Each case runs in a fresh process, phase by phase, as ``dcp.save`` runs them with
+``HFStorageWriter`` on a local path (``_compact.py``):
+
+1. ranks (one after another; not coordinator time): the ``SavePlan`` ``DefaultSavePlanner`` makes
+   from the rank's DTensor shards (``_synthetic_plans``, equal to DCP's own: ``tests/test_scale.py``),
+   the writer's ``prepare_local_plan`` (which keeps the items and sends ``LocalChunks``), pickled
+   as ``gather_object`` sends it.
+2. coordinator: unpickle the N plans (the gather); DCP's ``DefaultSavePlanner.create_global_plan``
+   on them (dedup, metadata, validation: nothing left to do); then ours, phase by phase as
+   ``HFStorageWriter._plan_compact`` runs them: ``gather`` (arrays), ``check_and_dedup`` (tiling
+   check, one writer per replicated chunk), ``plan_layout``, ``table_plans``; each rank's final
+   plan pickled as ``scatter_object_list`` does.
+3. finish: each rank's one packed ``WriteResult`` pickled and unpickled (DCP's gather of the
+   results), the CRC32s joined per key and DCP's metadata filled in, the index encoded.
+4. one rank's write-side unpacking of its plan (``_unpack_table``).
+
+Reported: seconds per phase, the coordinator's peak RSS over the imports (its process holds
+nothing else: the simulated ranks' pickles are the gather's buffer), what each rank sends and
+receives, and bytes written per rank (max / mean). Compare with the object plans DCP gathers
+otherwise: ``bench_scale.py`` and ``results/2026-11_scale-cpu-2core.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: E402
+from bench_scale import _fmt_bytes, _reset_peak, _status_kib  # noqa: E402
+
+from hf_dcp_storage import HFStorageWriter  # noqa: E402
+from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
+from hf_dcp_storage._layout import plan_layout  # noqa: E402
+from hf_dcp_storage.writer import _PACKED, _json_bytes, _RankPlan, _whole_tensors, _WrittenRows  # noqa: E402
+
+PHASES = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "scatter", "results_gather", "checksums", "metadata", "index")
+
+
+def run_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """One case in this process; returns its figures."""
+    shapes = llama_shapes(LLAMA[spec["model"]])
+    mesh = Mesh.of(spec["world"], spec["tp"])
+    out: dict[str, Any] = {"tensors": len(shapes), "items": len(shapes) * mesh.size}
+    writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"])
+    t0 = time.perf_counter()
+    blobs, local_s = [], 0.0
+    for rank in range(mesh.size):
+        plan = rank_save_plan(shapes, mesh, rank)
+        t = time.perf_counter()
+        sent = writer.prepare_local_plan(plan)
+        local_s += time.perf_counter() - t
+        blobs.append(pickle.dumps(sent))
+    keep_items, keep_local = writer._local  # the last rank's, for step 4
+    out.update(ranks_s=time.perf_counter() - t0, prepare_local_plan_ms=local_s / mesh.size * 1e3, sent_bytes_max=max(map(len, blobs)), table_bytes=len(pickle.loads(blobs[-1]).storage_data.table))
+    gc.collect()
+    base = _status_kib("VmRSS")
+    _reset_peak()
+    t: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        s = time.perf_counter()
+        value = fn()
+        t[name] = time.perf_counter() - s
+        return value
+
+    plans: list[SavePlan] = timed("gather", lambda: [pickle.loads(b) for b in blobs])
+    out["gather_buffer_bytes"] = max(map(len, blobs)) * len(blobs)  # gather_object pads to the largest
+    global_plans, _metadata = timed("dcp_global_plan", lambda: DefaultSavePlanner().create_global_plan(plans))
+    chunks = [p.storage_data for p in global_plans]
+    g = timed("arrays", lambda: gather(chunks))
+    dedup = timed("check_dedup", lambda: check_and_dedup(g))
+    layout = timed("layout", lambda: plan_layout(g.specs, max_shard_bytes=writer.max_shard_bytes))
+    tables = timed("table_plans", lambda: table_plans(g, layout, dedup))
+    names = layout.names
+
+    def scatter() -> list[int]:
+        return [len(pickle.dumps(SavePlan([], storage_data=_RankPlan(r, "0" * 32, True, names, {}, None, tables[r])))) for r in range(mesh.size)]
+
+    final_sizes = timed("scatter", scatter)
+    storage_sizes = [len(pickle.dumps(_RankPlan(r, "0" * 32, True, names, {}, None, tables[r]))) for r in range(0, mesh.size, max(1, mesh.size // 64))]
+    plans = global_plans = chunks = []  # freed before the finish phases, as DCP drops them
+    # Finish: every rank's packed result (its kept items' table rows and CRC shares).
+    rng = np.random.default_rng(0)
+    packed = []
+    for r in range(mesh.size):
+        n = int(g.rank_start[r + 1] - g.rank_start[r]) - len(tables[r].skip)
+        rows = np.arange(n, dtype=np.int64) % len(g.table_keys[int(g.table_of_rank[r])])
+        packed.append(pickle.dumps([WriteResult(_PACKED, 0, _WrittenRows(rows, rng.integers(0, 2**32, n, dtype=np.uint32)))]))
+    results = timed("results_gather", lambda: [pickle.loads(b) for b in packed])
+    writer._tables = (g.table_keys, g.table_of_rank)
+    checksums = timed("checksums", lambda: writer._checksums(layout, results))
+    timed("metadata", lambda: _whole_tensors(layout))
+    index = timed("index", lambda: _json_bytes({"metadata": {"total_size": layout.total_size, "checksums": {k: f"{v:08x}" for k, v in sorted(checksums.items())}}, "weight_map": dict(sorted(layout.weight_map.items()))}))
+    out["coordinator_peak_mib"] = (_status_kib("VmHWM") - base) / 1024
+    # The gather buffer: the simulation held the pickles before the baseline, a real coordinator receives them.
+    out["coordinator_peak_with_buffer_mib"] = out["coordinator_peak_mib"] + out["gather_buffer_bytes"] / 2**20
+    written = dedup.bytes_per_rank
+    out.update(
+        phases=t,
+        planning_s=sum(t[p] for p in ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "scatter")),
+        finish_s=sum(t[p] for p in ("results_gather", "checksums", "metadata", "index")),
+        files=len(layout.files),
+        index_bytes=len(index),
+        final_plan_bytes_max=max(final_sizes),
+        storage_data_bytes_max=max(storage_sizes),
+        result_bytes_max=max(map(len, packed)),
+        written_max_over_mean=float(written.max() / written.mean()),
+        dropped=len(dedup.dropped),
+    )
+    # One rank unpacks its plan on the write side.
+    writer._local = (keep_items, keep_local)
+    s = time.perf_counter()
+    writer._unpack_table(_RankPlan(mesh.size - 1, "0" * 32, True, names, {}, None, tables[-1]))
+    out["unpack_ms"] = (time.perf_counter() - s) * 1e3
+    assert zlib.decompress(keep_local.table)  # the table the last rank sent decodes
+    return out
+
+
+def table(runs: list[dict[str, Any]]) -> list[str]:
+    head = "| case | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes |"
+    lines = [head, "|" + "---|" * 2 + "---:|" * (len(PHASES) + 7)]
+    for run in runs:
+        spec, r = run["spec"], run.get("result")
+        mesh = f"{spec['world'] // spec['tp']}x{spec['tp']}" if spec["tp"] > 1 else str(spec["world"])
+        if r is None:
+            lines.append(f"| {spec['model']} / {mesh} | {run['error']} |")
+            continue
+        cells = [f"{r['phases'][p]:.2f}" for p in PHASES]
+        lines.append(
+            f"| {spec['model']} / {mesh} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
+            f"{_fmt_bytes(r['coordinator_peak_mib'] * 2**20)} (+{_fmt_bytes(r['gather_buffer_bytes'])}) | {_fmt_bytes(r['sent_bytes_max'])} | "
+            f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | {r['written_max_over_mean']:.3f} |"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="8B:1024,70B:1024,405B:1024,405B:8192", help="MODEL:RANKS,...")
+    ap.add_argument("--tp", default="1,8")
+    ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--md-out")
+    ap.add_argument("--json-out")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_case(json.loads(args.child))))
+        return
+    runs = []
+    for item in args.cases.split(","):
+        model, _, world = item.partition(":")
+        for tp in map(int, args.tp.split(",")):
+            spec = {"model": model, "world": int(world), "tp": tp, "max_shard_size": args.max_shard_size}
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+            run: dict[str, Any] = {"spec": spec}
+            if proc.returncode == 0:
+                run["result"] = json.loads(proc.stdout.strip().splitlines()[-1])
+            else:
+                run["error"] = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+            print(json.dumps(run), flush=True)
+            runs.append(run)
+    text = "\n".join(table(runs)) + "\n"
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text("\n".join(json.dumps(r) for r in runs) + "\n")
+    if args.md_out:
+        Path(args.md_out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Compact save plans (``_compact.py``): what the coordinator plans from arrays equals what it
+plans from DCP's own write items, chunks that do not tile a tensor are refused, and replicated
+chunks get exactly one writer, spread over the ranks."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
+from bench_scale import dcp_global_plan  # noqa: E402
+
+from hf_dcp_storage import HFStorageReader, HFStorageWriter  # noqa: E402
+from hf_dcp_storage._compact import check_and_dedup, encode_local, gather, table_plans  # noqa: E402
+from hf_dcp_storage._layout import collect_tensor_specs, place_items, plan_layout  # noqa: E402
+
+UNEVEN = LlamaConfig(layers=2, hidden=7, intermediate=10, kv_dim=3, vocab=11)
+
+
+def _item(key: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> WriteItem:
+    chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+    return WriteItem(MetadataIndex(key, torch.Size(offsets)), WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, TensorProperties(dtype=dtype), torch.Size(shape)))
+
+
+def _plan(ranks: list[list[WriteItem]]):  # type: ignore[no-untyped-def]
+    g = gather([encode_local(items) for items in ranks])
+    return g, check_and_dedup(g)
+
+
+def _written(g, dedup) -> list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]:  # type: ignore[no-untyped-def]
+    """(rank, key, offsets, sizes) of every chunk that is written, after deduplication."""
+    dropped = set(dedup.dropped.tolist())
+    out = []
+    for row in range(len(g.key)):
+        if row in dropped:
+            continue
+        spec = g.specs[int(g.key[row])]
+        nd = len(spec.shape)
+        out.append((int(g.rank[row]), spec.key, tuple(g.offsets[row, :nd].tolist()), tuple(g.sizes[row, :nd].tolist())))
+    return out
+
+
+@pytest.mark.parametrize("world, tp", [(4, 1), (4, 2), (6, 3), (16, 1)])
+def test_compact_planning_equals_planning_from_dcp_items(world: int, tp: int) -> None:
+    """Same files, headers and key placements as the object path on DCP's deduplicated plans;
+    the same chunks written, each exactly once."""
+    shapes = llama_shapes(UNEVEN)
+    mesh = Mesh.of(world, tp)
+    plans = [rank_save_plan(shapes, mesh, r) for r in range(world)]
+    g, dedup = _plan([p.items for p in plans])
+    compact_layout = plan_layout(g.specs, max_shard_bytes=400)
+    dcp_plans, _ = dcp_global_plan(plans, {})
+    key_order = [[item.index.fqn for item in p.items] for p in plans]  # as the writer records it, before DCP's dedup
+    object_layout = plan_layout(collect_tensor_specs(dcp_plans, key_order), max_shard_bytes=400)
+    assert [(f.name, f.header) for f in compact_layout.files] == [(f.name, f.header) for f in object_layout.files]
+    assert len(compact_layout.files) > 1
+    written = _written(g, dedup)
+    by_dcp = {(i.index.fqn, tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes)) for p in dcp_plans for i in p.items}
+    assert sorted(w[1:] for w in written) == sorted(by_dcp)
+    # Every rank's table plan places its kept items where the object path places them.
+    placed = place_items(object_layout, dcp_plans)
+    expected = {index: p for rank_placed in placed for index, p in rank_placed.items()}
+    for r, tp_ in enumerate(table_plans(g, compact_layout, dedup)):
+        local = encode_local(plans[r].items)
+        skip = set(tp_.skip.tolist())
+        for i, item in enumerate(plans[r].items):
+            if i in skip:
+                continue
+            row = int(local.rows[i, 0])
+            want = expected[item.index]
+            assert (int(tp_.file[row]), int(tp_.start[row])) == (want.file, want.tensor_start), item.index
+
+
+def test_replicated_chunks_get_one_writer_spread_over_ranks() -> None:
+    """Twelve replicated 1 KiB tensors on 4 ranks holding uneven shards (20, 10, 10, 0 rows):
+    each written once, by the least loaded holder, so the bytes even out (DCP's lowest-rank
+    choice would put all 12 on rank 0)."""
+    rows = [(0, 20), (20, 10), (30, 10), (40, 0)]
+    ranks = []
+    for start, n in rows:
+        items = [_item("rows", (40, 64), (start, 0), (n, 64))]  # 256 B a row
+        items += [_item(f"norm{k}", (256,), (0,), (256,)) for k in range(12)]
+        ranks.append(items)
+    g, dedup = _plan(ranks)
+    per_key: dict[str, list[int]] = {}
+    for rank, key, _, _ in _written(g, dedup):
+        per_key.setdefault(key, []).append(rank)
+    assert per_key.pop("rows") == [0, 1, 2, 3]
+    assert all(len(v) == 1 for v in per_key.values()), per_key
+    loads = dedup.bytes_per_rank.tolist()
+    assert sum(loads) == 40 * 256 + 12 * 1024
+    assert max(loads) - min(loads) <= 1024, loads  # within one replicated tensor of even
+    writers = [per_key[f"norm{k}"][0] for k in range(12)]
+    assert writers.count(3) > writers.count(0), writers  # the rank with no shard takes the most
+
+
+def test_empty_chunks_are_kept_once_and_cover_nothing() -> None:
+    ranks = [[_item("t", (3, 4), (0, 0), (2, 4))], [_item("t", (3, 4), (2, 0), (1, 4))], [_item("t", (3, 4), (3, 0), (0, 4))], [_item("t", (3, 4), (3, 0), (0, 4))]]
+    g, dedup = _plan(ranks)
+    assert [w[0] for w in _written(g, dedup)] == [0, 1, 2]
+
+
+def test_a_valid_tiling_that_is_no_grid_passes() -> None:
+    """Row 0 split in two columns, rows 1-2 in three: no grid, still an exact tiling."""
+    boxes = [((0, 0), (1, 3)), ((0, 3), (1, 3)), ((1, 0), (2, 2)), ((1, 2), (2, 2)), ((1, 4), (2, 2))]
+    g, dedup = _plan([[_item("t", (3, 6), o, s)] for o, s in boxes])
+    assert len(_written(g, dedup)) == 5
+
+
+@pytest.mark.parametrize(
+    "shape, boxes, problem",
+    [
+        ((4, 4), [((0, 0), (2, 4)), ((3, 0), (1, 4))], "do not cover it exactly once"),  # row 2 missing
+        ((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))], "do not cover it exactly once"),  # rows overlap
+        ((4, 4), [((0, 0), (4, 2)), ((0, 2), (4, 2)), ((1, 1), (1, 2))], "do not cover it exactly once"),
+        ((4, 6), [((0, 0), (1, 3)), ((0, 3), (1, 3)), ((1, 0), (3, 3)), ((1, 2), (3, 4))], "do not cover it exactly once"),
+        ((4, 6), [((0, 0), (1, 6)), ((1, 0), (3, 2)), ((1, 3), (3, 3))], "do not cover it exactly once"),  # no grid, gap
+        ((4, 4), [((0, 0), (4, 4)), ((4, 0), (1, 4))], "lies outside the tensor"),
+    ],
+    ids=["gap", "overlap", "overlap-no-grid", "overlap-partial", "gap-no-grid", "outside"],
+)
+def test_chunks_that_do_not_tile_are_refused(shape: tuple[int, int], boxes: list, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem) as err:
+        _plan([[_item("t", shape, o, s)] for o, s in boxes])
+    assert f"'t' {list(shape)}" in str(err.value) or "'t'" in str(err.value)
+
+
+def test_a_key_with_two_shapes_across_ranks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"'w' is torch.float32\[4, 4\] on one rank and torch.float32\[4, 5\] on another"):
+        _plan([[_item("w", (4, 4), (0, 0), (2, 4))], [_item("w", (4, 5), (2, 0), (2, 5))]])
+
+
+def test_ranks_with_the_same_keys_share_one_table() -> None:
+    """Each distinct key table is decoded once; what a rank sends does not grow with the ranks."""
+    shapes = llama_shapes(UNEVEN)
+    sent = {}
+    for world in (8, 32):
+        mesh = Mesh.of(world, 1)
+        locals_ = [encode_local(rank_save_plan(shapes, mesh, r).items) for r in range(world)]
+        g = gather(locals_)
+        assert len(g.table_keys) == 1
+        sent[world] = max(len(pickle.dumps(x)) for x in locals_)
+    assert sent[32] == sent[8]
+
+
+def test_dcp_save_returns_the_metadata_the_reader_reports(tmp_path: Path) -> None:
+    """Compact plans leave DCP nothing to describe; the writer fills in the checkpoint's metadata."""
+    sd = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16), "c": torch.tensor(7)}
+    metadata = dcp.save(sd, storage_writer=HFStorageWriter(tmp_path / "ckpt"))
+    read = HFStorageReader(tmp_path / "ckpt").read_metadata()
+    assert metadata.state_dict_metadata == read.state_dict_metadata
+    assert sorted(metadata.state_dict_metadata) == ["a", "b", "c"]
+
+
+def test_rows_round_trip_through_encode_and_gather() -> None:
+    items = [_item("x", (8, 3, 2), (4, 0, 0), (4, 3, 2)), _item("y", (5,), (1,), (2,), torch.bfloat16), _item("z", (), (), ())]
+    g = gather([encode_local(items)])
+    assert [s.key for s in g.specs] == ["x", "y", "z"]
+    assert g.offsets.tolist() == [[4, 0, 0], [1, 0, 0], [0, 0, 0]]
+    assert g.sizes.tolist() == [[4, 3, 2], [2, 0, 0], [0, 0, 0]]
+    assert np.array_equal(g.key, [0, 1, 2])
+
+
+def test_plan_caching_is_refused_before_the_second_save_writes(tmp_path: Path) -> None:
+    """DCP's plan caching would hand the second save the first one's layout and placements."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    sd = {"a": torch.arange(6, dtype=torch.float32)}
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    dcp.save(sd, storage_writer=HFStorageWriter(tmp_path / "one"), planner=planner)
+    with pytest.raises(CheckpointException, match="enable_plan_caching") as err:
+        dcp.save(sd, storage_writer=HFStorageWriter(tmp_path / "two"), planner=planner)
+    assert "HFStorageWriter plans every save afresh" in str(err.value)
+    assert not (tmp_path / "two").exists() or not any((tmp_path / "two").iterdir())
+    tensors = HFStorageReader(tmp_path / "one").read_metadata().state_dict_metadata
+    assert list(tensors) == ["a"]
