@@ -24,6 +24,7 @@ from torch.futures import Future
 
 from . import _fsio
 from ._header import TensorEntry
+from ._hostbuf import HostBuffers, from_host
 from ._hfindex import load_weight_map, read_bytes, read_header
 from ._layout import INDEX_NAME, chunk_runs, element_size
 from ._slabs import SLAB_BYTES, slab_bounds, sub_chunk
@@ -101,6 +102,8 @@ class HFStorageReader(StorageReader):
         self._s3: S3 | None = None
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
+        self._host: HostBuffers | None = None  # made on first need, kept across loads
+        self._host_lock = threading.Lock()
         if path is not None:
             self.reset(path)
 
@@ -196,6 +199,8 @@ class HFStorageReader(StorageReader):
         finally:
             for fd in fds.values():
                 os.close(fd)
+            if self._host is not None:
+                self._host.drain()  # the destinations hold every byte before DCP returns them
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -212,12 +217,13 @@ class HFStorageReader(StorageReader):
         for r0, r1 in slab_bounds(item.lengths, itemsize, self._slab_bytes(stored, item)):
             offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
             dest = target[r0:r1] if item.lengths else target
-            # Read straight into the destination when it can take the raw bytes; else a slab buffer.
-            direct = dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu"
-            buf = dest if direct else torch.empty(sizes, dtype=stored.dtype)
-            fill(stored, chunk_runs(stored.shape, offsets, sizes, itemsize), memoryview(buf.reshape(-1).view(torch.uint8).numpy()).cast("B"))
-            if not direct:
-                dest.copy_(buf)
+            runs = chunk_runs(stored.shape, offsets, sizes, itemsize)
+            # Read straight into the destination when it can take the raw bytes; else through a
+            # reusable host buffer, converted on the destination's device.
+            if dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu":
+                fill(stored, runs, memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+            else:
+                from_host(dest, lambda view, runs=runs: fill(stored, runs, view), stored.dtype, self._host_buffers(dest))
         planner.commit_tensor(item, target)
 
     def _read_verified(self, items: list[ReadItem], planner: LoadPlanner, fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None]) -> None:
@@ -254,6 +260,14 @@ class HFStorageReader(StorageReader):
             )
         for item, target in targets:
             planner.commit_tensor(item, target)
+
+    def _host_buffers(self, dest: torch.Tensor) -> HostBuffers:
+        """(each rank) Two reusable host buffers per I/O thread (one being read into while the
+        other's copy to the device runs), pinned for CUDA destinations."""
+        with self._host_lock:
+            if self._host is None:
+                self._host = HostBuffers(2 * self.thread_count, pin=dest.device.type == "cuda")
+            return self._host
 
     def _slab_bytes(self, stored: _Stored, item: ReadItem) -> int:
         """Bytes of destination per slab: ``SLAB_BYTES``, less where a remote read fetches whole

@@ -25,6 +25,7 @@ from . import _fsio
 from ._compact import LocalChunks, TablePlan, check_and_dedup, encode_local, gather, table_plans, xor_shares
 from ._crc import CrcAccumulator
 from ._header import dtype_name
+from ._hostbuf import HostBuffers, to_host
 from ._layout import (
     CHECKSUM_ALGORITHM,
     CHECKSUM_ALGORITHM_KEY,
@@ -184,6 +185,9 @@ class HFStorageWriter(StorageWriter):
         self.direct_write = direct_write
         self.retry = retry or RetryPolicy()
         self._s3 = None
+        # Made on first need and kept across saves: pinned memory is slow to allocate.
+        self._host: HostBuffers | None = None
+        self._host_lock = threading.Lock()
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.is_coordinator = False
         if path is not None:
@@ -425,6 +429,14 @@ class HFStorageWriter(StorageWriter):
         # After the commit: until the index exists, the records are what can finish the save.
         _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
 
+    def _host_buffers(self, tensor: torch.Tensor) -> HostBuffers:
+        """(each rank) The host buffers of slabs that need a copy: two per I/O thread (one being
+        written, one being filled), pinned when the tensors live on CUDA."""
+        with self._host_lock:
+            if self._host is None:
+                self._host = HostBuffers(2 * self.thread_count, pin=tensor.device.type == "cuda")
+            return self._host
+
     def _checksums(self, layout: Layout, results: list[list[WriteResult]]) -> dict[str, int]:
         """Each key's CRC32: the XOR of the shares every rank reported for it."""
         if results and results[0] and isinstance(results[0][0].storage_data, _WrittenRows):
@@ -493,7 +505,7 @@ class HFStorageWriter(StorageWriter):
             fd = fd_for(place.file)
             nbytes = 0
             crc = CrcAccumulator()
-            for runs, data in _item_slabs(item, planner):
+            for runs, data in _item_slabs(item, planner, self._host_buffers):
                 first = last = None
                 for tensor_off, chunk_off, n in runs:
                     run = data[chunk_off : chunk_off + n]
@@ -531,7 +543,7 @@ class HFStorageWriter(StorageWriter):
                 for item in file_items:
                     start = pos
                     crc = CrcAccumulator()
-                    for runs, data in _item_slabs(item, planner):
+                    for runs, data in _item_slabs(item, planner, self._host_buffers):
                         out.write(data)
                         for tensor_off, chunk_off, n in runs:
                             crc.update(tensor_off, data[chunk_off : chunk_off + n])
@@ -607,7 +619,7 @@ class HFStorageWriter(StorageWriter):
                     for item in file_items:
                         start = rank_plan.placements[item.index].tensor_start
                         crc, first_staged, nbytes = CrcAccumulator(), staged_pos, 0
-                        for runs, data in _item_slabs(item, planner):
+                        for runs, data in _item_slabs(item, planner, self._host_buffers):
                             nbytes += len(data)
                             for tensor_off, chunk_off, n in runs:
                                 run = data[chunk_off : chunk_off + n]
@@ -726,8 +738,12 @@ class HFStorageWriter(StorageWriter):
         parallel_map(merge_one, range(len(layout.files)), self.thread_count)
 
 
-def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
-    """``(runs, bytes)`` per slab of a write item, cast to the planned dtype (bounded memory)."""
+def _item_slabs(item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tensor], HostBuffers]) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
+    """``(runs, bytes)`` per slab of a write item, cast to the planned dtype (bounded memory).
+
+    A CPU tensor already in the planned dtype is read in place; any other (on an accelerator,
+    or cast) goes through ``host(tensor)``'s reusable buffers, copied a slab ahead on CUDA.
+    Each slab's bytes are valid until the next slab is asked for."""
     td = item.tensor_data
     assert td is not None
     tensor = planner.resolve_data(item)
@@ -738,10 +754,16 @@ def _item_slabs(item: WriteItem, planner: SavePlanner) -> Iterable[tuple[Iterabl
         raise RuntimeError(f"{item.index.fqn!r}: planned chunk {list(sizes)} but the data has shape {list(tensor.shape)}")
     dtype = td.properties.dtype
     itemsize = element_size(dtype)
-    for r0, r1 in slab_bounds(sizes, max(itemsize, tensor.element_size())):
-        sub_offsets, sub_sizes = sub_chunk(td.chunk.offsets, sizes, r0, r1)
-        part = tensor[r0:r1] if sizes else tensor
-        yield chunk_runs(td.size, sub_offsets, sub_sizes, itemsize), as_bytes(part.to(dtype))
+    bounds = list(slab_bounds(sizes, max(itemsize, tensor.element_size())))
+    runs = [chunk_runs(td.size, *sub_chunk(td.chunk.offsets, sizes, r0, r1), itemsize) for r0, r1 in bounds]
+    if tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous():
+        for (r0, r1), slab_runs in zip(bounds, runs, strict=True):
+            yield slab_runs, as_bytes(tensor[r0:r1] if sizes else tensor)
+        return
+    parts = (tensor[r0:r1] if sizes else tensor for r0, r1 in bounds)
+    depth = 2 if tensor.device.type == "cuda" else 1  # CPU copies are synchronous: nothing to overlap
+    for slab_runs, data in zip(runs, to_host(parts, dtype, host(tensor), depth), strict=True):
+        yield slab_runs, as_bytes(data)
 
 
 def _whole_tensors(layout: Layout) -> dict[str, TensorStorageMetadata]:
