@@ -78,6 +78,7 @@ class CheckpointManager:
         self.overwrite = overwrite
         self._in_flight: tuple[int, Future[int]] | None = None
         self._async_groups: tuple[Any, Any] | None = None
+        self._control_group: Any = None
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -307,23 +308,34 @@ class CheckpointManager:
     def _world(self) -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
+    def _control(self) -> Any:
+        """(all ranks) The group the manager's own small collectives run on: the default group
+        when it can carry CPU tensors (gloo, ``cpu:gloo,cuda:nccl``), else a gloo group of the
+        same ranks, made once. Under plain NCCL an object collective would stage through
+        ``torch.cuda.current_device()``, which is GPU 0 on every rank that never called
+        ``torch.cuda.set_device``; a few hundred bytes of decisions need no GPU at all."""
+        if self._control_group is None:
+            backend = str(dist.get_backend())
+            self._control_group = dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
+        return self._control_group
+
     def _broadcast(self, value: Any) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._control())
         return box[0]
 
     def _all_gather(self, value: Any) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):
             return [value]
         out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
+        dist.all_gather_object(out, value, group=self._control())
         return out
 
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self._control())
 
 
 def _rank_file(rank: int) -> str:
