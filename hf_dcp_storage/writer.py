@@ -188,6 +188,9 @@ class HFStorageWriter(StorageWriter):
         # Made on first need and kept across saves: pinned memory is slow to allocate.
         self._host: HostBuffers | None = None
         self._host_lock = threading.Lock()
+        # The thread running this writer's save, from set_up_storage_writer until the save ends
+        # on this rank: a writer holds one save's state, so a second save may not start meanwhile.
+        self._owner: threading.Thread | None = None
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.is_coordinator = False
         if path is not None:
@@ -196,7 +199,13 @@ class HFStorageWriter(StorageWriter):
     # -- DCP protocol -------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new save; ``checkpoint_id`` (when given) replaces the path."""
+        """Start a new save; ``checkpoint_id`` (when given) replaces the path.
+
+        Raises:
+            RuntimeError: this writer's previous save is still running in another thread (two
+                ``dcp.async_save`` calls sharing one writer): its path and plan would change under it.
+        """
+        self._refuse_if_busy()
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = _fsio.resolve(checkpoint_id, self.storage_options)
@@ -234,7 +243,18 @@ class HFStorageWriter(StorageWriter):
             raise ValueError(
                 "HFStorageWriter has no path: pass HFStorageWriter(path) or dcp.save(..., checkpoint_id=path)"
             )
+        self._refuse_if_busy()
+        self._owner = threading.current_thread()
         self.is_coordinator = is_coordinator
+
+    def _refuse_if_busy(self) -> None:
+        owner = getattr(self, "_owner", None)
+        if owner is not None and owner is not threading.current_thread() and owner.is_alive():
+            raise RuntimeError(
+                f"this HFStorageWriter is still saving {self.checkpoint_id!s} in thread {owner.name!r} "
+                f"(a dcp.async_save in flight); a writer holds one save's state: pass a new "
+                f"HFStorageWriter to each save, or wait for the previous one"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """(all ranks) Reject what safetensors cannot hold; record this rank's key order.
@@ -370,6 +390,8 @@ class HFStorageWriter(StorageWriter):
             raise
         if rank_plan.table is not None:
             results = self._pack_results(items, results)
+        if not self.is_coordinator:
+            self._owner = None  # this rank's part of the save is done
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -428,6 +450,7 @@ class HFStorageWriter(StorageWriter):
         self._put(_fsio.join(self.root, INDEX_NAME), _json_bytes(index))
         # After the commit: until the index exists, the records are what can finish the save.
         _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
+        self._owner = None
 
     def _host_buffers(self, tensor: torch.Tensor) -> HostBuffers:
         """(each rank) The host buffers of slabs that need a copy: two per I/O thread (one being

@@ -247,3 +247,31 @@ def test_two_ranks_async_save_equals_sync_save_on_s3(s3: tuple[str, dict]) -> No
     base = f"{bucket}/run"
     run_ranks(_two_ranks, 2, base, options)
     _assert_same_checkpoints(f"{base}/async", f"{base}/sync", options, _originals({**TENSORS, **LARGE}))
+
+
+def test_a_writer_already_saving_refuses_a_second_save(tmp_path) -> None:
+    """Two saves in flight on one writer would share its path and plan (one save's bytes landing
+    in the other's folder): the second is refused, the first completes untouched."""
+    originals = _originals(TENSORS)
+    writer = HFStorageWriter(tmp_path / "one")
+    gate = threading.Event()
+    try:
+        first = dcp.async_save(originals, storage_writer=writer, planner=_GatedPlanner(gate))
+        assert not first.done()  # held in planning: the writer is in use
+        refusal = "still saving .*one.* pass a new HFStorageWriter to each save"
+        # Elsewhere: refused by reset(), which DCP calls before its error wrapping.
+        with pytest.raises(RuntimeError, match=refusal):
+            dcp.async_save(originals, storage_writer=writer, checkpoint_id=tmp_path / "two").result(timeout=WAIT_S)
+        # To the same path (no reset): refused when the save sets the writer up.
+        with raises_in_checkpoint(RuntimeError, refusal):
+            dcp.async_save(originals, storage_writer=writer).result(timeout=WAIT_S)
+        gate.set()
+        first.result(timeout=WAIT_S)
+    finally:
+        gate.set()
+    dcp.save(originals, storage_writer=HFStorageWriter(tmp_path / "sync"))
+    _assert_same_checkpoints(str(tmp_path / "one"), str(tmp_path / "sync"), None, originals)
+    assert not (tmp_path / "two").exists()
+    # Once the save is over the writer takes the next one.
+    dcp.save(originals, storage_writer=writer, checkpoint_id=tmp_path / "three")
+    _assert_same_checkpoints(str(tmp_path / "three"), str(tmp_path / "sync"), None, originals)
