@@ -70,12 +70,11 @@ if str(HERE) not in sys.path:
 # The model, data, rank setup and RSS sampling of the local-disk benchmark.
 from bench_save_load import (
     CallWindow,
-    ProcSampler,
     _dtensor_sd,
-    _finish,
     _fs_type,
     _git_rev,
     _init_dist,
+    _run_ranks,
     _status_kib,
     _version,
     model_dims,
@@ -248,19 +247,9 @@ def rank_main(rank: int, world: int, job: dict) -> None:
 
 
 def _spawn(job: dict, world: int) -> list[dict]:
-    """Run ``rank_main`` on ``world`` fresh processes, sampling their RSS; the per-rank records."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(rank_main, args=(world, job), nprocs=world, join=False, start_method="spawn")
-    sampler = ProcSampler(job["cfg"]["sample_ms"] / 1000).start([p.pid for p in ctx.processes])
-    try:
-        while not ctx.join():
-            pass
-    finally:
-        sampler.stop()
-    with open(job["result"]) as f:
-        # The peak is taken inside [call start, call end]; the call ends after the future is done.
-        return _finish(json.load(f), sampler)
+    """Run ``rank_main`` on ``world`` fresh processes, sampling their RSS; the per-rank records.
+    The peak is taken inside [call start, call end]; the call ends after the future is done."""
+    return _run_ranks(job, world, rank_main)
 
 
 class Backend:

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import _fmt_bytes, _reset_peak, _status_kib  # noqa: E402
+from bench_scale import _fmt_bytes, _parse_cases, _reset_peak, _status_kib  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
@@ -169,10 +169,9 @@ def main() -> None:
         print(json.dumps(run_case(json.loads(args.child))))
         return
     runs = []
-    for item in args.cases.split(","):
-        model, _, world = item.partition(":")
+    for model, world in _parse_cases(args.cases):
         for tp in map(int, args.tp.split(",")):
-            spec = {"model": model, "world": int(world), "tp": tp, "max_shard_size": args.max_shard_size}
+            spec = {"model": model, "world": world, "tp": tp, "max_shard_size": args.max_shard_size}
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
             run: dict[str, Any] = {"spec": spec}
             if proc.returncode == 0:

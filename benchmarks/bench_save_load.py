@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -532,10 +533,12 @@ def _finish(per_rank: list[dict], sampler: ProcSampler) -> list[dict]:
     return per_rank
 
 
-def _run_ranks(job: dict, world: int) -> list[dict]:
+def _run_ranks(job: dict, world: int, main: Callable[[int, int, dict], None] | None = None) -> list[dict]:
+    """Run ``main(rank, world, job)`` (default ``rank_main``) on ``world`` fresh processes,
+    sampling their RSS; the per-rank records it wrote to ``job["result"]``."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(rank_main, args=(world, job), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(main or rank_main, args=(world, job), nprocs=world, join=False, start_method="spawn")
     sampler = ProcSampler(job["cfg"]["sample_ms"] / 1000).start([p.pid for p in ctx.processes])
     try:
         while not ctx.join():
