@@ -119,12 +119,12 @@ class HFStorageWriter(StorageWriter):
        their chunks, as arrays (``_compact.py``): the coordinator's planning then costs
        microseconds per rank, not DCP's object gather and pairwise overlap check.
     2. (coordinator) ``prepare_global_plan``: computes the complete layout from every rank's
-       write items (file of each key, headers, byte position of every chunk; on local disk:
-       checks that each tensor's chunks tile it and picks one writer per replicated chunk,
-       spreading them by bytes), refuses to replace
-       a complete checkpoint unless ``overwrite=True``, and on local disk creates every file at
-       its final size with its header; on S3 it plans every file's multipart parts and creates
-       the uploads. It records the plan in ``.hf_dcp_staging/save.json`` (``_staging.py``).
+       write items (file of each key, headers, byte position of every chunk; on local disk it
+       also checks that each tensor's chunks tile it and picks one writer per replicated chunk,
+       spreading them by bytes), refuses to replace a complete checkpoint unless
+       ``overwrite=True``, and on local disk creates every file at its final size with its
+       header; on S3 it plans every file's multipart parts and creates the uploads. It records
+       the plan in ``.hf_dcp_staging/save.json`` (``_staging.py``).
     3. (all ranks) ``write_data``: each rank writes only its own bytes. On local disk (and NFS)
        they go straight to their final place with positioned writes, so nothing is left to
        consolidate. On S3 each rank uploads the parts that hold only its bytes straight into the
