@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -19,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
 from bench_scale import dcp_global_plan  # noqa: E402
 
-from hf_dcp_storage import HFStorageReader, HFStorageWriter  # noqa: E402
+from _dist import run_ranks  # noqa: E402
+from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, encode_local, gather, table_plans  # noqa: E402
 from hf_dcp_storage._layout import collect_tensor_specs, place_items, plan_layout  # noqa: E402
 
@@ -184,3 +186,23 @@ def test_plan_caching_is_refused_before_the_second_save_writes(tmp_path: Path) -
     assert not (tmp_path / "two").exists() or not any((tmp_path / "two").iterdir())
     tensors = HFStorageReader(tmp_path / "one").read_metadata().state_dict_metadata
     assert list(tensors) == ["a"]
+
+
+def _collide_across_ranks(rank: int, world: int, root: str) -> None:
+    sd = {"a" if rank == 0 else "b": torch.ones(4)}
+    try:
+        dcp.save(sd, storage_writer=HFStorageWriter(root), planner=HFSavePlanner(key_mapping={"a": "x", "b": "x"}))
+    except CheckpointException as exc:
+        messages = " ".join(str(e) for e, _ in exc.failures.values())
+        assert "maps both 'a' and 'b' (on different ranks) to 'x'" in messages, messages
+    else:
+        raise AssertionError("two ranks mapping different keys onto 'x' were not refused")
+
+
+@pytest.mark.distributed
+def test_a_key_mapping_collision_across_ranks_is_still_caught(tmp_path: Path) -> None:
+    """Compact plans keep a renaming planner's flattening map, so HFSavePlanner still sees a
+    collision that only shows across ranks, before anything is written."""
+    run_ranks(_collide_across_ranks, 2, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
+    assert not list((tmp_path / "ckpt").glob("*.safetensors"))
