@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -174,9 +175,6 @@ def test_rows_round_trip_through_encode_and_gather() -> None:
 
 def test_plan_caching_is_refused_before_the_second_save_writes(tmp_path: Path) -> None:
     """DCP's plan caching would hand the second save the first one's layout and placements."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
     sd = {"a": torch.arange(6, dtype=torch.float32)}
     planner = DefaultSavePlanner(enable_plan_caching=True)
     dcp.save(sd, storage_writer=HFStorageWriter(tmp_path / "one"), planner=planner)
