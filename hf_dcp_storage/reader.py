@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -37,6 +38,8 @@ __all__ = ["HFStorageReader", "coalesce"]
 # Remote reads: a gap between needed byte runs up to this size is read rather than skipped,
 # since one more request costs more than that much transfer.
 READ_GAP_BYTES = 1 << 20
+# ``LoadPlan.storage_data`` of a plan whose items the rank kept (``prepare_local_plan``).
+_KEPT_HERE = "hf_dcp_storage: read items kept on the rank"
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class HFStorageReader(StorageReader):
         self._s3: S3 | None = None
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
+        self._kept: list[ReadItem] = []  # this rank's read items, between prepare_local_plan and read_data
         self._host: HostBuffers | None = None  # made on first need, kept across loads
         self._host_lock = threading.Lock()
         if path is not None:
@@ -163,13 +167,22 @@ class HFStorageReader(StorageReader):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """(all ranks) Keep this rank's read items here and send DCP's global step none of them.
+
+        Every rank reads on its own: DCP's default and HF load planners do nothing with the
+        gathered plans, which at thousands of ranks would be millions of ``ReadItem`` objects
+        unpickled on the coordinator (~190 KiB a rank for Llama 405B). ``read_data`` takes the
+        items back; a planner that puts items into a rank's plan in its global step is obeyed.
+        """
+        self._kept = list(plan.items)
+        return dataclasses.replace(plan, items=[], storage_data=_KEPT_HERE)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """(all ranks) Read every item of ``plan`` into ``planner``'s tensors, slab by slab."""
+        items = self._kept if plan.storage_data == _KEPT_HERE and not plan.items else plan.items
         local = _fsio.is_local(self.fs)
         fds: dict[str, int] = {}
         lock = threading.Lock()
@@ -191,11 +204,11 @@ class HFStorageReader(StorageReader):
         try:
             if self.verify:
                 by_tensor: dict[MetadataIndex, list[ReadItem]] = {}
-                for item in plan.items:
+                for item in items:
                     by_tensor.setdefault(item.storage_index, []).append(item)
                 parallel_map(lambda items: self._read_verified(items, planner, fill), list(by_tensor.values()), self.thread_count)
             else:
-                parallel_map(lambda item: self._read_item(item, planner, fill), plan.items, self.thread_count)
+                parallel_map(lambda item: self._read_item(item, planner, fill), items, self.thread_count)
         finally:
             for fd in fds.values():
                 os.close(fd)
