@@ -18,7 +18,11 @@ Each case runs in a fresh process, phase by phase, as ``dcp.save`` runs them wit
    plan pickled as ``scatter_object_list`` does.
 3. finish: each rank's one packed ``WriteResult`` pickled and unpickled (DCP's gather of the
    results), the CRC32s joined per key and DCP's metadata filled in, the index encoded.
-4. one rank's write-side unpacking of its plan (``_unpack_table``).
+4. load planning of the same checkpoint on N/2 ranks (``bench_scale._simulate_load``):
+   ``read_metadata`` on the index and headers (sparse files), a few ranks' local load plans, and
+   what each sends through DCP's global step (``HFStorageReader.prepare_local_plan`` keeps the
+   read items on the rank);
+5. one rank's write-side unpacking of its plan (``_unpack_table``).
 
 Reported: seconds per phase, the coordinator's peak RSS over the imports (its process holds
 nothing else: the simulated ranks' pickles are the gather's buffer), what each rank sends and
@@ -48,7 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import _fmt_bytes, _parse_cases, _reset_peak, _status_kib  # noqa: E402
+from bench_scale import _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
@@ -129,6 +133,11 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         written_max_over_mean=float(written.max() / written.mean()),
         dropped=len(dedup.dropped),
     )
+    # Load planning of the same checkpoint on N/2 ranks: read_metadata, local plans, what DCP gathers.
+    rep = _Reporter()
+    load = _simulate_load(shapes, layout, Mesh.of(max(spec["tp"], mesh.size // 2), spec["tp"]), rep)
+    out.update({k: load[k] for k in ("load_world", "load_plan_s", "load_plan_bytes_max", "load_plan_sent_bytes_max", "load_read_items")})
+    out["read_metadata_s"] = rep.timings["read_metadata"]
     # One rank unpacks its plan on the write side.
     writer._local = (keep_items, keep_local)
     s = time.perf_counter()
@@ -139,8 +148,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(runs: list[dict[str, Any]]) -> list[str]:
-    head = "| case | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes |"
-    lines = [head, "|" + "---|" * 2 + "---:|" * (len(PHASES) + 7)]
+    head = "| case | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes | load (N/2 ranks): read_metadata, plan per rank | load plan: built / sent to DCP per rank |"
+    lines = [head, "|" + "---|" * 2 + "---:|" * (len(PHASES) + 9)]
     for run in runs:
         spec, r = run["spec"], run.get("result")
         mesh = f"{spec['world'] // spec['tp']}x{spec['tp']}" if spec["tp"] > 1 else str(spec["world"])
@@ -151,7 +160,8 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {spec['model']} / {mesh} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
             f"{_fmt_bytes(r['coordinator_peak_mib'] * 2**20)} (+{_fmt_bytes(r['gather_buffer_bytes'])}) | {_fmt_bytes(r['sent_bytes_max'])} | "
-            f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | {r['written_max_over_mean']:.3f} |"
+            f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | {r['written_max_over_mean']:.3f} | "
+            f"{r['read_metadata_s'] * 1e3:.0f} ms, {r['load_plan_s'] * 1e3:.0f} ms | {_fmt_bytes(r['load_plan_bytes_max'])} / {_fmt_bytes(r['load_plan_sent_bytes_max'])} |"
         )
     return lines
 
