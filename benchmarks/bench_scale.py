@@ -76,7 +76,7 @@ from hf_dcp_storage._fsio import STREAM_PART_BYTES  # noqa: E402
 from hf_dcp_storage._layout import INDEX_NAME, Layout, collect_tensor_specs, element_size, place_items, plan_layout  # noqa: E402
 from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
 from hf_dcp_storage._staging import SaveRecord  # noqa: E402
-from hf_dcp_storage.writer import _json_bytes, _plan_s3_parts, _RankPlan, _S3RankPlan  # noqa: E402
+from hf_dcp_storage.writer import _json_bytes, _plan_s3_parts, _rank_plans as writer_rank_plans  # noqa: E402
 
 __all__ = ["OurPlan", "plan_ours", "dcp_global_plan", "dcp_validate", "validate_comparisons", "calibrate_validate", "bytes_per_rank", "s3_requests", "main"]
 
@@ -202,23 +202,8 @@ def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings
 
 
 def _rank_plans(layout: Layout, plans: list[SavePlan], placements: list[dict[Any, Any]], s3_parts: list[list[RankPart | GatherPart]] | None, uploads: Mapping[int, str], *, direct: bool) -> list[SavePlan]:
-    """Every rank's plan with its ``_RankPlan``: the loop of ``prepare_global_plan``, verbatim."""
-    save_id = "0" * 32
-    names = layout.names
-    own: dict[int, dict[int, list[RankPart]]] = {}
-    for f, parts in enumerate(s3_parts or ()):
-        for p in parts:
-            if isinstance(p, RankPart):
-                own.setdefault(p.rank, {}).setdefault(f, []).append(p)
-    rank_plans = []
-    for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
-        s3_plan = None
-        if s3_parts is not None:
-            mine = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
-            headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
-            s3_plan = _S3RankPlan(uploads, mine, headers)
-        rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, names, placed, s3_plan)))
-    return rank_plans
+    """Every rank's plan with its ``_RankPlan``, built by ``prepare_global_plan``'s own function."""
+    return writer_rank_plans(plans, layout, "0" * 32, direct, placements, s3_parts, uploads)
 
 
 # -- what the plans imply: balance, requests, sizes -------------------------------------------

@@ -328,23 +328,7 @@ class HFStorageWriter(StorageWriter):
             if self._uploads:
                 self._abort_uploads(layout.names, self._uploads)
             raise
-        names = layout.names
-        # Each rank's own S3 parts, by file: one pass over all parts, not one per rank.
-        own: dict[int, dict[int, list[RankPart]]] = {}
-        for f, parts in enumerate(self._s3_parts or ()):
-            for p in parts:
-                if isinstance(p, RankPart):
-                    own.setdefault(p.rank, {}).setdefault(f, []).append(p)
-        rank_plans = []
-        for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
-            s3_plan = None
-            if self._s3_parts is not None:
-                mine = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
-                headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
-                s3_plan = _S3RankPlan(self._uploads, mine, headers)
-            table = tables[rank] if tables is not None else None
-            rank_plans.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, names, placed, s3_plan, table)))
-        return rank_plans
+        return _rank_plans(plans, layout, save_id, direct, placements, self._s3_parts, self._uploads, tables)
 
     def _plan_compact(self, chunks: list[LocalChunks]) -> tuple[Layout, list[TablePlan]]:
         """(coordinator) The layout and each rank's table plan from compact local plans. No I/O."""
@@ -759,6 +743,36 @@ class HFStorageWriter(StorageWriter):
             self.merge_stats.add(plan.size, plan.size)
 
         parallel_map(merge_one, range(len(layout.files)), self.thread_count)
+
+
+def _rank_plans(
+    plans: list[SavePlan],
+    layout: Layout,
+    save_id: str,
+    direct: bool,
+    placements: list[dict[MetadataIndex, Placement]],
+    s3_parts: list[list[RankPart | GatherPart]] | None,
+    uploads: Mapping[int, str],
+    tables: list[TablePlan] | None = None,
+) -> list[SavePlan]:
+    """(coordinator) Every rank's final plan: its ``_RankPlan`` (the part of the layout it
+    writes: placements or table plan, and on S3 its own parts and the headers they carry). Pure."""
+    # Each rank's own S3 parts, by file: one pass over all parts, not one per rank.
+    own: dict[int, dict[int, list[RankPart]]] = {}
+    for f, parts in enumerate(s3_parts or ()):
+        for p in parts:
+            if isinstance(p, RankPart):
+                own.setdefault(p.rank, {}).setdefault(f, []).append(p)
+    out = []
+    for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
+        s3_plan = None
+        if s3_parts is not None:
+            mine = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
+            headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
+            s3_plan = _S3RankPlan(uploads, mine, headers)
+        table = tables[rank] if tables is not None else None
+        out.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, layout.names, placed, s3_plan, table)))
+    return out
 
 
 def _item_slabs(item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tensor], HostBuffers]) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
