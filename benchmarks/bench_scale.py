@@ -18,7 +18,8 @@ direct-write planning, kept for comparison, and ``s3`` is what S3 saves run:
    (quadratic in N for row-sharded tensors wider than tall: above ``--max-comparisons`` chunk
    pairs it is not run, and its time is estimated from a calibration, a lower bound).
 3. coordinator, ours: the pure steps of ``HFStorageWriter.prepare_global_plan``
-   (``collect_tensor_specs``, ``plan_layout``, ``place_items``, S3: ``_plan_s3_parts``) and each
+   (``collect_tensor_specs``, ``plan_layout``, ``place_items``, S3: ``_plan_s3_parts`` and
+   ``_plan_tasks``, which gives each gathered part to a rank) and each
    rank's ``_RankPlan``, built exactly as ``prepare_global_plan`` builds it (S3 with fake upload
    ids); then the save record, and the pickling of every rank's final plan (DCP's scatter).
 4. load: the index and headers the save would write (sparse files), ``HFStorageReader.read_metadata``
@@ -27,7 +28,8 @@ direct-write planning, kept for comparison, and ``s3`` is what S3 saves run:
 
 Reported per case: wall time per phase, the coordinator's peak RSS (growth over the imports), the
 pickled size of what each rank sends and receives, index and header bytes, bytes written per rank
-(max/mean) and, on S3, the bytes the coordinator gathers and the requests per rank; and per phase
+(max/mean) and, on S3, the bytes gathered, by the busiest rank and by the coordinator, the bytes
+each rank moves (max/mean) and the requests per rank; and per phase
 the time spent in Python's cyclic garbage collector. S3 planning is skipped above ``--max-runs``
 byte runs (column shards make one per row). A case that runs past ``--timeout`` seconds of
 coordinator work (``--sim-timeout`` for simulating the ranks), or past ``--mem-cap-gib`` of RSS,
@@ -76,7 +78,7 @@ from hf_dcp_storage._fsio import STREAM_PART_BYTES  # noqa: E402
 from hf_dcp_storage._layout import INDEX_NAME, Layout, collect_tensor_specs, element_size, place_items, plan_layout  # noqa: E402
 from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
 from hf_dcp_storage._staging import SaveRecord  # noqa: E402
-from hf_dcp_storage.writer import _json_bytes, _plan_s3_parts, _rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.writer import _json_bytes, _plan_s3_parts, _plan_tasks, _rank_plans as writer_rank_plans  # noqa: E402
 
 __all__ = ["OurPlan", "plan_ours", "dcp_global_plan", "dcp_validate", "validate_comparisons", "calibrate_validate", "bytes_per_rank", "s3_requests", "main"]
 
@@ -189,21 +191,23 @@ def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings
     with _timed(t, "place", done):
         placements = place_items(layout, plans)
         _items = {item.index: item for plan in plans for item in plan.items}  # _adopt keeps this map for finish
-    s3_parts, uploads = None, {}
+    s3_parts, uploads, tasks = None, {}, None
     if mode == "s3":
         with _timed(t, "s3_parts", done):
             s3_parts = _plan_s3_parts(layout, plans, placements)
         uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
+        with _timed(t, "tasks", done):
+            tasks = _plan_tasks(layout, mode, plans, placements, s3_parts, lambda name, rank: f"bucket/run/{name}.rank{rank:05d}")
     with _timed(t, "rank_plans", done):
-        rank_plans = _rank_plans(layout, plans, placements, s3_parts, uploads, direct=mode == "local")
+        rank_plans = _rank_plans(layout, plans, placements, s3_parts, uploads, tasks, direct=mode == "local")
     with _timed(t, "record", done):
         SaveRecord("0" * 32, "direct" if mode == "local" else "s3", len(plans), tuple((f.name, f.header) for f in layout.files), uploads).encode()
     return OurPlan(layout, placements, s3_parts, uploads, rank_plans, t)
 
 
-def _rank_plans(layout: Layout, plans: list[SavePlan], placements: list[dict[Any, Any]], s3_parts: list[list[RankPart | GatherPart]] | None, uploads: Mapping[int, str], *, direct: bool) -> list[SavePlan]:
+def _rank_plans(layout: Layout, plans: list[SavePlan], placements: list[dict[Any, Any]], s3_parts: list[list[RankPart | GatherPart]] | None, uploads: Mapping[int, str], tasks: Any, *, direct: bool) -> list[SavePlan]:
     """Every rank's plan with its ``_RankPlan``, built by ``prepare_global_plan``'s own function."""
-    return writer_rank_plans(plans, layout, "0" * 32, direct, placements, s3_parts, uploads)
+    return writer_rank_plans(plans, layout, "0" * 32, direct, placements, s3_parts, uploads, None, tasks)
 
 
 # -- what the plans imply: balance, requests, sizes -------------------------------------------
@@ -215,13 +219,14 @@ def bytes_per_rank(plans: Sequence[SavePlan]) -> list[int]:
 
 
 def s3_requests(ours: OurPlan, written: Sequence[int]) -> dict[str, Any]:
-    """Requests each rank and the coordinator send on S3, and the bytes the coordinator gathers.
+    """Requests each rank and the coordinator send on S3, and who gathers the staged bytes.
 
     A rank sends its own parts (UploadPart), one staged object per file where it has bytes outside
-    its parts (one PUT, or create + 8 MiB parts + complete), and its record (PUT). The coordinator
-    creates the uploads, and per gathered part makes one ranged GET per rank it holds pieces of
-    (a lower bound: ``get_ranges`` joins near ranges of one object) and one UploadPart; then
-    completes each file.
+    its parts (one PUT, or create + 8 MiB parts + complete), and its record (PUT); then, for each
+    gathered part it was given, one ranged GET per rank it holds pieces of (a lower bound:
+    ``get_ranges`` joins near ranges of one object) and one UploadPart. The coordinator also
+    creates the uploads and completes each file. ``moved``: bytes a rank uploads of its own, plus
+    twice the bytes of the parts it gathers (downloaded, then uploaded).
     """
     assert ours.s3_parts is not None
     world = len(written)
@@ -229,16 +234,13 @@ def s3_requests(ours: OurPlan, written: Sequence[int]) -> dict[str, Any]:
     requests = [1] * world  # the rank record
     own_in_file: dict[tuple[int, int], int] = {}
     coordinator = len(ours.uploads) + len(ours.layout.files)
-    gathered = 0
     for f, parts in enumerate(ours.s3_parts):
         for p in parts:
             if isinstance(p, RankPart):
                 own[p.rank] += p.nbytes
                 requests[p.rank] += 1
                 own_in_file[(p.rank, f)] = own_in_file.get((p.rank, f), 0) + p.nbytes
-            else:
-                gathered += sum(e - s for r, s, e in p.pieces if r is not None)
-                coordinator += 1 + len({r for r, _, _ in p.pieces if r is not None})
+    gathered = [0] * world
     for rank, plan in enumerate(ours.rank_plans):
         in_file: dict[int, int] = {}
         for it in plan.items:
@@ -248,16 +250,23 @@ def s3_requests(ours: OurPlan, written: Sequence[int]) -> dict[str, Any]:
             staged = n - own_in_file.get((rank, f), 0)
             part = max(STREAM_PART_BYTES, MIN_PART_BYTES, -(-staged // MAX_PARTS))
             requests[rank] += 0 if staged == 0 else 1 if staged < part else 2 + -(-staged // part)
+        for task in plan.storage_data.tasks:
+            gathered[rank] += sum(s[2] for s in task.sources if not isinstance(s, bytes))
+            requests[rank] += 1 + len({s[0] for s in task.sources if not isinstance(s, bytes)})
     total = sum(written)
+    moved = [w + 2 * g for w, g in zip(written, gathered, strict=True)]
     return {
         "rank_part_bytes": sum(own),
-        "gathered_bytes": gathered,
-        "gathered_share": gathered / total if total else 0.0,
+        "gathered_bytes": sum(gathered),
+        "gathered_share": sum(gathered) / total if total else 0.0,
+        "gathered_per_rank_max": max(gathered),
+        "gathered_by_coordinator": gathered[0],
+        "moved_max_over_mean": max(moved) / (sum(moved) / world) if total else 1.0,
         "gather_parts": sum(isinstance(p, GatherPart) for parts in ours.s3_parts for p in parts),
         "rank_parts": sum(isinstance(p, RankPart) for parts in ours.s3_parts for p in parts),
         "requests_per_rank_max": max(requests),
         "requests_per_rank_mean": sum(requests) / world,
-        "coordinator_requests_min": coordinator,
+        "coordinator_requests_min": coordinator + requests[0],
     }
 
 
@@ -606,8 +615,8 @@ def size_tables(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def balance_tables(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [
-        "| case | bytes written per rank, max / mean | S3: byte runs | S3: bytes in ranks' own parts | S3: gathered by the coordinator | S3: requests per rank (max / mean) | S3: coordinator requests (≥) | load: read_metadata per rank | load: plan per rank (N/2 ranks) | load plan sent per rank |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | bytes written per rank, max / mean | S3: byte runs | S3: bytes in ranks' own parts | S3: gathered (share) / busiest gatherer / coordinator | S3: bytes moved per rank, max / mean (own + 2 × gathered) | S3: requests per rank (max / mean) | S3: coordinator requests (≥) | load: read_metadata per rank | load: plan per rank (N/2 ranks) | load plan sent per rank |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
         res = run.get("result")
@@ -616,9 +625,9 @@ def balance_tables(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         t = _phase_times(run)
         s3 = res.get("s3")
         s3_cells = (
-            [f"{res['runs']:,}", _fmt_bytes(s3["rank_part_bytes"]), f"{_fmt_bytes(s3['gathered_bytes'])} ({s3['gathered_share']:.0%})", f"{s3['requests_per_rank_max']:,} / {s3['requests_per_rank_mean']:,.0f}", f"{s3['coordinator_requests_min']:,}"]
+            [f"{res['runs']:,}", _fmt_bytes(s3["rank_part_bytes"]), f"{_fmt_bytes(s3['gathered_bytes'])} ({s3['gathered_share']:.0%}) / {_fmt_bytes(s3['gathered_per_rank_max'])} / {_fmt_bytes(s3['gathered_by_coordinator'])}", f"{s3['moved_max_over_mean']:.3f}", f"{s3['requests_per_rank_max']:,} / {s3['requests_per_rank_mean']:,.0f}", f"{s3['coordinator_requests_min']:,}"]
             if s3
-            else [f"{res['runs']:,}", "-", "-", "-", "-"]
+            else [f"{res['runs']:,}", "-", "-", "-", "-", "-"]
         )
         cells = [f"{res['written_max_over_mean']:.3f}", *s3_cells, f"{t.get('read_metadata', 0) * 1000:.0f} ms", f"{res['load_plan_s'] * 1000:.0f} ms", _fmt_bytes(res["load_plan_bytes_max"]) + (f" ({_fmt_bytes(res['load_plan_sent_bytes_max'])} sent)" if "load_plan_sent_bytes_max" in res else "")]
         lines.append(f"| {_case_name(run['spec'])} | " + " | ".join(cells) + " |")

@@ -11,8 +11,8 @@ created by the coordinator before any rank writes, and each rank uploads the par
 only its own bytes straight into it (``PartUploader``; the part plan is ``_s3parts``). Those
 bytes are sent once, by the rank that has them, and never copied or downloaded again. Only runs
 too small to be a part of their own (S3 parts hold at least 5 MiB, but the last) are staged
-(``MultipartWriter``) and gathered into parts by the coordinator, which then completes the
-upload (``complete_file``).
+(``MultipartWriter``) and gathered into parts (``gather_bytes``) by the ranks the coordinator
+gave them to (``_spread``); the coordinator then completes the upload (``complete_file``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +32,9 @@ from fsspec.asyn import sync
 from ._parallel import parallel_map
 from ._retry import RetryPolicy
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart
+from ._spread import Source
 
-__all__ = ["S3", "s3_for", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file"]
+__all__ = ["S3", "s3_for", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file", "gather_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -295,20 +296,29 @@ def _quietly(abort: Callable[[], None], path: str) -> None:
 
 @dataclass
 class MergeStats:
-    """Bytes of consolidated files by who sent them (coordinator side, S3)."""
+    """Bytes of consolidated files by who sent them (coordinator side, object stores).
+
+    ``client_bytes``: staged by their ranks, then downloaded and uploaded again (gathered S3
+    parts, merged files) by the rank the coordinator gave them to (``by_rank``: bytes per rank);
+    ``coordinator_bytes``: of those, the ones this process moved itself (all of them when it
+    finishes an interrupted save).
+    """
 
     files: int = 0
     total_bytes: int = 0
     rank_part_bytes: int = 0  # uploaded by the ranks straight into the files' parts
-    client_bytes: int = 0  # staged, then downloaded and re-uploaded by the coordinator
+    client_bytes: int = 0
+    coordinator_bytes: int = 0
+    by_rank: dict[int, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, total: int, gathered: int) -> None:
+    def add(self, total: int, gathered: int, here: int) -> None:
         with self._lock:
             self.files += 1
             self.total_bytes += total
             self.rank_part_bytes += total - gathered
             self.client_bytes += gathered
+            self.coordinator_bytes += here
 
     @property
     def client_fraction(self) -> float:
@@ -321,63 +331,68 @@ def complete_file(
     upload_id: str | None,
     header: bytes,
     parts: Sequence[RankPart | GatherPart],
-    rank_etags: Sequence[dict[str, Any]],
-    staged: Callable[[int, int, int], list[tuple[str, int, int]]],
+    etags: Sequence[dict[str, Any]],
+    gathered_by_ranks: Collection[int],
+    sources: Callable[[GatherPart], tuple[Source, ...]],
+    staged_path: Callable[[int], str],
     *,
     threads: int,
     stats: MergeStats,
 ) -> None:
-    """(coordinator) Upload the gathered parts of ``path`` and complete its multipart upload.
+    """(coordinator) Complete the multipart upload of ``path``.
 
-    ``staged(rank, start, end)`` names the staged ranges ``(object path, offset, nbytes)`` that
-    hold file bytes ``[start, end)``. A one-part file has no ``upload_id``: a single PUT, here
-    if the part is gathered (a rank's own part it PUT itself). On failure the upload is aborted.
+    ``etags``: every part uploaded so far, the ranks' own parts and the gathered parts numbered
+    in ``gathered_by_ranks``. Any gathered part not among those (finishing an interrupted save)
+    is gathered here from ``sources(part)``, staged objects named by ``staged_path(rank)``. A
+    one-part file has no ``upload_id``: a single PUT, by the rank that holds or gathered it, or
+    here. On failure the upload is aborted.
 
     Raises:
-        RuntimeError: a rank's part is missing (an inconsistent save).
+        RuntimeError: a part is missing (an inconsistent save).
     """
     gathers = [p for p in parts if isinstance(p, GatherPart)]
+    here = [p for p in gathers if p.number not in gathered_by_ranks]
     gathered = sum(p.nbytes for p in gathers)
     size = sum(p.nbytes for p in parts) + (len(header) if any(isinstance(p, RankPart) and p.header for p in parts) else 0)
-    if upload_id is None:  # a one-part file: its rank PUT it already, or it is gathered here
-        if gathers:
-            s3.put(path, _gather(s3, header, gathers[0], staged))
-        stats.add(size, gathered)
+    if upload_id is None:  # a one-part file: PUT already by a rank, or here
+        if here:
+            s3.put(path, gather_bytes(s3, sources(here[0]), staged_path))
+        stats.add(size, gathered, sum(p.nbytes for p in here))
         return
     try:
-        expected = {p.number for p in parts if isinstance(p, RankPart)}
-        got = {e["PartNumber"] for e in rank_etags}
+        expected = {p.number for p in parts} - {p.number for p in here}
+        got = {e["PartNumber"] for e in etags}
         if got != expected:
             raise RuntimeError(f"s3://{path}: parts {sorted(expected - got)} were never uploaded by their ranks")
-        etags = list(rank_etags)
-        etags += parallel_map(lambda p: s3.upload_part(path, upload_id, p.number, _gather(s3, header, p, staged)), gathers, threads)
-        s3.complete_upload(path, upload_id, sorted(etags, key=lambda e: e["PartNumber"]), size)
+        done = list(etags)
+        done += parallel_map(lambda p: s3.upload_part(path, upload_id, p.number, gather_bytes(s3, sources(p), staged_path)), here, threads)
+        s3.complete_upload(path, upload_id, sorted(done, key=lambda e: e["PartNumber"]), size)
     except BaseException:
         _quietly(lambda: s3.abort_upload(path, upload_id), path)
         raise
-    stats.add(size, gathered)
+    stats.add(size, gathered, sum(p.nbytes for p in here))
 
 
-def _gather(s3: S3, header: bytes, part: GatherPart, staged: Callable[[int, int, int], list[tuple[str, int, int]]]) -> bytes:
-    """A gathered part's bytes: header slices and staged ranges, fetched with parallel GETs."""
-    chunks: list[bytes | tuple[str, int, int]] = []
-    for rank, start, end in part.pieces:
-        if rank is None:
-            chunks.append(header[start:end])
-        else:
-            chunks.extend(staged(rank, start, end))
+def gather_bytes(s3: S3, sources: Sequence[Source], staged_path: Callable[[int], str]) -> bytearray:
+    """A gathered part's bytes: literal pieces (the header's) and ranges of the ranks' staged
+    objects (``staged_path(rank)``), fetched with parallel, coalesced GETs.
+
+    Raises:
+        RuntimeError: a staged object is shorter than the save recorded (an inconsistent save).
+    """
     by_source: dict[str, list[tuple[int, int]]] = {}
-    for c in chunks:
-        if isinstance(c, tuple):
-            by_source.setdefault(c[0], []).append((c[1], c[1] + c[2]))
-    fetched = {src: iter(s3.get_ranges(src, ranges)) for src, ranges in by_source.items()}
+    for s in sources:
+        if not isinstance(s, bytes):
+            by_source.setdefault(staged_path(s[0]), []).append((s[1], s[1] + s[2]))
+    fetched = {path: iter(s3.get_ranges(path, ranges)) for path, ranges in by_source.items()}
     out = bytearray()
-    for c in chunks:
-        if isinstance(c, tuple):
-            data = next(fetched[c[0]])
-            if len(data) != c[2]:
-                raise RuntimeError(f"s3://{c[0]}: staged object ends early at byte {c[1] + len(data)}")
-            out += data
-        else:
-            out += c
-    return bytes(out)
+    for s in sources:
+        if isinstance(s, bytes):
+            out += s
+            continue
+        path = staged_path(s[0])
+        data = next(fetched[path])
+        if len(data) != s[2]:
+            raise RuntimeError(f"s3://{path}: staged object ends early at byte {s[1] + len(data)}")
+        out += data
+    return out

@@ -129,7 +129,7 @@ def consolidate_checkpoint(
     if record.mode == "staged":
         progress.start(sum(f.size for f in layout.files), "merging")
     writer.finish(None, results)  # type: ignore[arg-type]  # finish does not read the metadata
-    moved += writer.merge_stats.client_bytes
+    moved += writer.merge_stats.coordinator_bytes
     return ConsolidateReport(
         _fsio.url_of(writer.fs, writer.root), record.mode, layout.names, len(layout.specs),
         layout.total_size, moved, False, time.monotonic() - started,

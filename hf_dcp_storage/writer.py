@@ -9,7 +9,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,9 +46,11 @@ from ._parallel import parallel_map
 from ._progress import NO_PROGRESS, Progress
 from ._merge import StagedPiece, merge_file
 from ._retry import RetryPolicy
-from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, s3_for
+from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, gather_bytes, s3_for
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from ._slabs import as_bytes, slab_bounds, sub_chunk
+from ._spread import GatherTask, MergeTask, assign, gather_sources
+from . import _arrival
 from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
@@ -70,6 +72,11 @@ class _RankPlan:
     # Compact plans (direct mode): placements per row of the rank's key table, which the rank
     # turns into ``placements`` for the write items it kept (``_compact.py``).
     table: TablePlan | None = None
+    # The save's finishing work this rank does once every rank has staged (``_spread.py``), and
+    # whether the ranks meet before it (on a save of several ranks where any rank has tasks).
+    tasks: tuple[GatherTask | MergeTask, ...] = ()
+    world: int = 1
+    meet: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,8 +108,20 @@ class _WrittenRows:
     crcs: Any  # np.ndarray uint32
 
 
-# The ``WriteResult.index`` of a rank's packed results (compact plans).
+@dataclass(frozen=True)
+class _Finished:
+    """``WriteResult.storage_data`` of a rank's finishing tasks: per file, the parts it gathered
+    and uploaded (``{"PartNumber", "ETag"}``; no ETag for a one-part file's PUT), the files it
+    merged, and the bytes it assembled."""
+
+    parts: Mapping[int, tuple[dict[str, Any], ...]]
+    merged: tuple[int, ...]
+    nbytes: int
+
+
+# The ``WriteResult.index`` of a rank's packed results (compact plans), and of its finishing tasks.
 _PACKED = MetadataIndex("__hf_dcp_rank_results__")
+_FINISHED = MetadataIndex("__hf_dcp_finishing_tasks__")
 
 
 class HFStorageWriter(StorageWriter):
@@ -130,11 +149,14 @@ class HFStorageWriter(StorageWriter):
        consolidate. On S3 each rank uploads the parts that hold only its bytes straight into the
        files' uploads and stages its runs under 5 MiB. Elsewhere each rank streams one staged
        object per output file. Once its bytes are durable, each rank records what it wrote
-       (``.hf_dcp_staging/rankNNNNN.json``).
-    4. (coordinator) ``finish``: on S3, gathers the staged runs into their parts and completes
-       the uploads; elsewhere merges the staged objects; then writes the index, and removes
+       (``.hf_dcp_staging/rankNNNNN.json``). Then, where bytes were staged, the ranks wait for
+       each other (on the job's key-value store, ``_arrival.py``) and each does its share of the
+       finishing work the coordinator spread by bytes (``_spread.py``): on S3 it assembles
+       gathered parts from the staged runs and uploads them; elsewhere it merges whole files.
+    4. (coordinator) ``finish``: on S3 completes the uploads; then writes the index, and removes
        ``.hf_dcp_staging/``. If the coordinator dies before the index, the records let
-       ``hf-dcp consolidate`` (``consolidate_checkpoint``) run this step later.
+       ``hf-dcp consolidate`` (``consolidate_checkpoint``) run this step later (that one
+       process then also gathers and merges).
 
     Args:
         path: a local folder or any fsspec URL (``file://``, ``memory://``, ``s3://``...); may be
@@ -151,8 +173,8 @@ class HFStorageWriter(StorageWriter):
             ``RetryPolicy()``. Permanent failures (access denied, missing bucket) are not retried.
 
     After a save to an object store, the coordinator's ``merge_stats`` tells how many bytes of
-    the consolidated files the ranks sent as their own parts and how many the coordinator
-    gathered (downloaded from staged objects and uploaded again).
+    the consolidated files the ranks sent as their own parts, how many were staged and gathered
+    (downloaded and uploaded again), and by which ranks.
 
     Raises:
         ValueError: a bad option, naming it and the accepted values.
@@ -224,6 +246,10 @@ class HFStorageWriter(StorageWriter):
         # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.
         self._local: tuple[list[WriteItem], LocalChunks] | None = None
         self._tables: tuple[list[Any], Any] | None = None
+        # The save's id, and whether its ranks meet in write_data (``_arrival``): the coordinator
+        # drops the meeting's keys in ``finish``.
+        self._save_id = ""
+        self._meets = False
         self.merge_stats = MergeStats()
         # Where staged objects are read from when merging: this folder, unless an interrupted
         # save elsewhere is being finished into it (``consolidate``).
@@ -307,7 +333,7 @@ class HFStorageWriter(StorageWriter):
                 raise RuntimeError(f"{len(compact)} of {len(plans)} ranks sent compact plans; every rank must use the same HFStorageWriter options")
             layout, tables = self._plan_compact(compact)
             placements: list[dict[MetadataIndex, Placement]] = [{} for _ in plans]
-            direct, mode = True, "direct"
+            direct, mode, tasks = True, "direct", None
         else:
             specs = collect_tensor_specs(plans, key_order=[p.storage_data or () for p in plans])
             layout = plan_layout(
@@ -316,6 +342,7 @@ class HFStorageWriter(StorageWriter):
             direct = self._direct_mode()
             mode = "direct" if direct else "s3" if self._s3 is not None else "staged"
             placements = self._adopt(layout, mode, plans)
+            tasks = _plan_tasks(layout, mode, plans, placements, self._s3_parts, lambda name, rank: self._staged_path(name, rank))
         # Step 2: I/O on the destination, still before any rank writes data.
         self._prepare_destination(layout, direct)
         if self._s3_parts is not None:
@@ -328,7 +355,8 @@ class HFStorageWriter(StorageWriter):
             if self._uploads:
                 self._abort_uploads(layout.names, self._uploads)
             raise
-        return _rank_plans(plans, layout, save_id, direct, placements, self._s3_parts, self._uploads, tables)
+        self._save_id, self._meets = save_id, _meets(tasks)
+        return _rank_plans(plans, layout, save_id, direct, placements, self._s3_parts, self._uploads, tables, tasks)
 
     def _plan_compact(self, chunks: list[LocalChunks]) -> tuple[Layout, list[TablePlan]]:
         """(coordinator) The layout and each rank's table plan from compact local plans. No I/O."""
@@ -360,6 +388,34 @@ class HFStorageWriter(StorageWriter):
         items = plan.items
         if rank_plan.table is not None:
             items, rank_plan = self._unpack_table(rank_plan)
+        try:
+            results = self._write_own(items, rank_plan, planner)
+        except BaseException:
+            if rank_plan.meet:
+                # Arrive anyway, as failed: the others are waiting for every rank, and stop too.
+                with contextlib.suppress(Exception):
+                    _arrival.arrive(rank_plan.save_id, rank_plan.world, failed_rank=rank_plan.rank)
+            raise
+        if rank_plan.meet:
+            failed = _arrival.arrive_and_wait(rank_plan.save_id, rank_plan.world)
+            if failed:
+                shown = failed if len(failed) <= 16 else [*failed[:16], "..."]
+                raise RuntimeError(
+                    f"ranks {shown} of {rank_plan.world} failed to write their bytes (their errors tell why), so "
+                    f"rank {rank_plan.rank} gathers nothing and the save fails; the checkpoint at {self.checkpoint_id!s} is not committed"
+                )
+        if rank_plan.table is not None:
+            results = self._pack_results(items, results)
+        if rank_plan.tasks:
+            results.append(self._finish_tasks(rank_plan))
+        if not self.is_coordinator:
+            self._owner = None  # this rank's part of the save is done
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_own(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
+        """(each rank) Write this rank's own bytes, then its record (``rank{r}.json``)."""
         if rank_plan.direct:
             results = self._write_direct(items, rank_plan, planner)
         elif rank_plan.s3 is not None:
@@ -372,13 +428,43 @@ class HFStorageWriter(StorageWriter):
             if rank_plan.s3 is not None:
                 self._abort_uploads(rank_plan.files, rank_plan.s3.uploads)
             raise
-        if rank_plan.table is not None:
-            results = self._pack_results(items, results)
-        if not self.is_coordinator:
-            self._owner = None  # this rank's part of the save is done
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
+
+    def _finish_tasks(self, rank_plan: _RankPlan) -> WriteResult:
+        """(each rank given finishing work, once every rank has staged) Gather this rank's S3
+        parts from the staged runs and upload them, or merge its files; a failure aborts every
+        upload of the save, as a failed write does."""
+        files = rank_plan.files
+        uploads = rank_plan.s3.uploads if rank_plan.s3 is not None else {}
+
+        def run(task: GatherTask | MergeTask) -> tuple[int, dict[str, Any] | None]:
+            path = _fsio.join(self.root, files[task.file])
+            if isinstance(task, MergeTask):
+                merge_file(self.fs, path, task.header, task.nbytes, task.pieces)
+                return task.file, None
+            assert self._s3 is not None
+            data = gather_bytes(self._s3, task.sources, lambda rank: self._staged_path(files[task.file], rank))
+            upload_id = uploads.get(task.file)
+            if upload_id is None:  # a one-part file: the object whole
+                self._s3.put(path, data)
+                return task.file, {"PartNumber": task.number}
+            return task.file, self._s3.upload_part(path, upload_id, task.number, data)
+
+        try:
+            done = parallel_map(run, rank_plan.tasks, self.thread_count)
+        except BaseException:
+            if rank_plan.s3 is not None:
+                self._abort_uploads(files, uploads)
+            raise
+        parts: dict[int, list[dict[str, Any]]] = {}
+        merged = []
+        for file, etag in done:
+            if etag is None:
+                merged.append(file)
+            else:
+                parts.setdefault(file, []).append(etag)
+        nbytes = sum(t.nbytes for t in rank_plan.tasks)
+        return WriteResult(_FINISHED, nbytes, _Finished({f: tuple(e) for f, e in parts.items()}, tuple(merged), nbytes))
 
     def _unpack_table(self, rank_plan: _RankPlan) -> tuple[list[WriteItem], _RankPlan]:
         """(each rank, compact plans) The write items this rank kept, with their placements."""
@@ -411,13 +497,20 @@ class HFStorageWriter(StorageWriter):
         layout = self._layout
         if layout is None:
             raise RuntimeError("HFStorageWriter.finish called before prepare_global_plan on the coordinator")
+        if self._meets:
+            _arrival.forget(self._save_id)  # every rank is past it: DCP gathered their results
+        finished = {rank: r.storage_data for rank, rs in enumerate(results) for r in rs if r.index == _FINISHED}
+        results = [[r for r in rs if r.index != _FINISHED] for rs in results]
+        for rank, f in finished.items():
+            self.merge_stats.by_rank[rank] = f.nbytes
         if self._direct:
             if _fsio.is_local(self.fs):
                 _fsio.fsync_dir(self.root)
         elif self._s3_parts is not None:
-            self._complete_s3(layout, results)
+            self._complete_s3(layout, results, finished)
         else:
-            self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs])
+            merged = {f for fin in finished.values() for f in fin.merged}
+            self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs], merged)
         checksums = self._checksums(layout, results)
         if metadata is not None and self._tables is not None and not metadata.state_dict_metadata:
             # Compact plans left DCP's metadata empty; what dcp.save returns should describe the
@@ -657,40 +750,34 @@ class HFStorageWriter(StorageWriter):
             self._abort_uploads(rank_plan.files, s3_plan.uploads)
             raise
 
-    def _complete_s3(self, layout: Layout, results: list[list[WriteResult]]) -> None:
-        """(coordinator, S3) Gather the small runs into their parts and complete every file."""
+    def _complete_s3(self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, _Finished]) -> None:
+        """(coordinator, S3) Complete every file's upload with the parts the ranks uploaded; any
+        gathered part no rank uploaded (finishing an interrupted save) is gathered here."""
         assert self._s3 is not None and self._s3_parts is not None
+        s3_parts = self._s3_parts
         etags: dict[int, list[dict[str, Any]]] = {}
-        written: dict[tuple[int, int], list[WriteItem]] = {}
-        for rank, rank_results in enumerate(results):
+        by_ranks: dict[int, set[int]] = {}
+        for rank_results in results:
             for r in rank_results:
                 etags.setdefault(r.storage_data.file, []).extend(r.storage_data.parts)
-                written.setdefault((r.storage_data.file, rank), []).append(self._items[r.index])
-        # Replay each rank's routing to learn where its staged bytes sit (nothing is sent back).
-        indexes: dict[tuple[int, int], StagedIndex] = {}
-        for (file, rank), file_items in written.items():
-            parts = tuple(p for p in self._s3_parts[file] if isinstance(p, RankPart) and p.rank == rank)
-            starts = [p.start for p in parts]
-            index = indexes[(file, rank)] = StagedIndex()
-            for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
-                td = item.tensor_data
-                assert td is not None
-                base = layout.tensor_start[item.index.fqn]
-                for t, _, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, element_size(td.properties.dtype)):
-                    for at, take, part in route_run(base + t, n, starts, parts):
-                        if part is None:
-                            index.add(at, take)
+        for fin in finished.values():
+            for f, parts in fin.parts.items():
+                by_ranks.setdefault(f, set()).update(e["PartNumber"] for e in parts)
+                etags.setdefault(f, []).extend(e for e in parts if "ETag" in e)
+        here = any(isinstance(p, GatherPart) and p.number not in by_ranks.get(f, ()) for f, parts in enumerate(s3_parts) for p in parts)
+        # Where each rank's staged bytes sit, only when some part is gathered here.
+        indexes = _staged_indexes(layout, _written_items(results, self._items), s3_parts) if here else {}
 
         try:
             for f, plan in enumerate(layout.files):
 
-                def staged(rank: int, start: int, end: int, name: str = plan.name, f: int = f) -> list[tuple[str, int, int]]:
-                    path = self._staged_path(name, rank)
-                    return [(path, off, n) for off, n in indexes[(f, rank)].locate(start, end)]
+                def sources(part: GatherPart, f: int = f, header: bytes = plan.header) -> tuple[Any, ...]:
+                    return gather_sources(part, header, lambda rank, start, end: indexes[(f, rank)].locate(start, end))
 
                 complete_file(
-                    self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, self._s3_parts[f],
-                    etags.get(f, []), staged, threads=self.thread_count, stats=self.merge_stats,
+                    self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, s3_parts[f],
+                    etags.get(f, []), by_ranks.get(f, set()), sources, lambda rank, name=plan.name: self._staged_path(name, rank),
+                    threads=self.thread_count, stats=self.merge_stats,
                 )
         except BaseException:
             self._abort_uploads(layout.names, self._uploads)
@@ -715,7 +802,8 @@ class HFStorageWriter(StorageWriter):
         root = self._source[1] if source and self._source is not None else self.root
         return _fsio.join(root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
 
-    def _merge(self, layout: Layout, staged: list[tuple[MetadataIndex, int, _Written]]) -> None:
+    def _merge(self, layout: Layout, staged: list[tuple[MetadataIndex, int, _Written]], merged: Collection[int] = ()) -> None:
+        """(coordinator) Merge each file's staged objects into it, but ``merged`` (done by ranks)."""
         pieces: dict[int, list[StagedPiece]] = {}
         for index, rank, written in staged:
             item = self._items[index]
@@ -740,9 +828,11 @@ class HFStorageWriter(StorageWriter):
             plan = layout.files[file]
             out = _fsio.join(self.root, plan.name)
             merge_file(self.fs, out, plan.header, plan.size, pieces.get(file, []), source_fs=source_fs, on_bytes=self._progress.advance)
-            self.merge_stats.add(plan.size, plan.size)
+            self.merge_stats.add(plan.size, plan.size, plan.size)
 
-        parallel_map(merge_one, range(len(layout.files)), self.thread_count)
+        for f in merged:
+            self.merge_stats.add(layout.files[f].size, layout.files[f].size, 0)
+        parallel_map(merge_one, [f for f in range(len(layout.files)) if f not in merged], self.thread_count)
 
 
 def _rank_plans(
@@ -754,9 +844,12 @@ def _rank_plans(
     s3_parts: list[list[RankPart | GatherPart]] | None,
     uploads: Mapping[int, str],
     tables: list[TablePlan] | None = None,
+    tasks: list[list[GatherTask | MergeTask]] | None = None,
 ) -> list[SavePlan]:
     """(coordinator) Every rank's final plan: its ``_RankPlan`` (the part of the layout it
-    writes: placements or table plan, and on S3 its own parts and the headers they carry). Pure."""
+    writes: placements or table plan, on S3 its own parts and the headers they carry, and its
+    finishing tasks). Pure."""
+    meet = _meets(tasks)
     # Each rank's own S3 parts, by file: one pass over all parts, not one per rank.
     own: dict[int, dict[int, list[RankPart]]] = {}
     for f, parts in enumerate(s3_parts or ()):
@@ -771,7 +864,92 @@ def _rank_plans(
             headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
             s3_plan = _S3RankPlan(uploads, mine, headers)
         table = tables[rank] if tables is not None else None
-        out.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, save_id, direct, layout.names, placed, s3_plan, table)))
+        mine_tasks = tuple(tasks[rank]) if tasks is not None else ()
+        rank_plan = _RankPlan(rank, save_id, direct, layout.names, placed, s3_plan, table, mine_tasks, len(plans), meet)
+        out.append(dataclasses.replace(plan, storage_data=rank_plan))
+    return out
+
+
+def _meets(tasks: list[list[GatherTask | MergeTask]] | None) -> bool:
+    """Whether the ranks must wait for each other before their tasks: only if there are
+    several ranks and any has a task (a task may read any rank's staged bytes)."""
+    return tasks is not None and len(tasks) > 1 and any(tasks)
+
+
+def _written_items(results: list[list[WriteResult]], items: Mapping[MetadataIndex, WriteItem]) -> dict[tuple[int, int], list[WriteItem]]:
+    """(coordinator) Each rank's written items by ``(file, rank)``, from its write results."""
+    written: dict[tuple[int, int], list[WriteItem]] = {}
+    for rank, rank_results in enumerate(results):
+        for r in rank_results:
+            written.setdefault((r.storage_data.file, rank), []).append(items[r.index])
+    return written
+
+
+def _staged_indexes(layout: Layout, written: Mapping[tuple[int, int], list[WriteItem]], s3_parts: list[list[RankPart | GatherPart]]) -> dict[tuple[int, int], StagedIndex]:
+    """Where each rank's staged bytes of each file sit in its staged object, by replaying the
+    rank's routing of its runs (``_write_s3`` does the same, in the same order). Pure."""
+    indexes: dict[tuple[int, int], StagedIndex] = {}
+    for (file, rank), file_items in written.items():
+        parts = tuple(p for p in s3_parts[file] if isinstance(p, RankPart) and p.rank == rank)
+        starts = [p.start for p in parts]
+        index = indexes[(file, rank)] = StagedIndex()
+        for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
+            td = item.tensor_data
+            assert td is not None
+            base = layout.tensor_start[item.index.fqn]
+            for t, _, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, element_size(td.properties.dtype)):
+                for at, take, part in route_run(base + t, n, starts, parts):
+                    if part is None:
+                        index.add(at, take)
+    return indexes
+
+
+def _plan_tasks(
+    layout: Layout,
+    mode: str,
+    plans: list[SavePlan],
+    placements: list[dict[MetadataIndex, Placement]],
+    s3_parts: list[list[RankPart | GatherPart]] | None,
+    staged_path: Callable[[str, int], str],
+) -> list[list[GatherTask | MergeTask]] | None:
+    """(coordinator) The finishing work of a save on an object store, spread over its ranks by
+    bytes (``_spread.assign``): on S3 each gathered part, elsewhere each file to merge, given to
+    the rank with the fewest bytes so far, counting each rank's own bytes. ``None`` in direct
+    mode (nothing to finish). Pure."""
+    if mode == "direct":
+        return None
+    written: dict[tuple[int, int], list[WriteItem]] = {}
+    own = [0] * len(plans)
+    for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
+        for item in plan.items:
+            written.setdefault((placed[item.index].file, rank), []).append(item)
+            own[rank] += _chunk_bytes(item)
+    tasks: list[GatherTask | MergeTask] = []
+    if mode == "s3":
+        assert s3_parts is not None
+        indexes = _staged_indexes(layout, written, s3_parts)
+        for f, parts in enumerate(s3_parts):
+            header = layout.files[f].header
+            for p in parts:
+                if isinstance(p, GatherPart):
+                    sources = gather_sources(p, header, lambda rank, start, end, f=f: indexes[(f, rank)].locate(start, end))
+                    tasks.append(GatherTask(f, p.number, sources))
+    else:
+        pieces: dict[int, list[StagedPiece]] = {}
+        for (f, rank), file_items in sorted(written.items()):
+            name, pos = layout.files[f].name, 0
+            # The rank streams its items in this order, so each one's offset in its staged object is known.
+            for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
+                td = item.tensor_data
+                assert td is not None
+                pieces.setdefault(f, []).append(
+                    StagedPiece(staged_path(name, rank), layout.tensor_start[item.index.fqn], pos, tuple(td.size), tuple(td.chunk.offsets), tuple(td.chunk.sizes), element_size(td.properties.dtype))
+                )
+                pos += _chunk_bytes(item)
+        tasks = [MergeTask(f, plan.header, plan.size, tuple(pieces.get(f, ()))) for f, plan in enumerate(layout.files)]
+    out: list[list[GatherTask | MergeTask]] = [[] for _ in plans]
+    for task, rank in zip(tasks, assign([t.nbytes for t in tasks], own), strict=True):
+        out[rank].append(task)
     return out
 
 

@@ -1,0 +1,219 @@
+"""The finishing work of a save on an object store is spread over its ranks by bytes.
+
+On S3, parts that mix several ranks' small runs are gathered by the ranks the coordinator gives
+them to, not by the coordinator; on other stores each rank merges the files it was given. The
+ranks meet on the job's key-value store before (``_arrival.py``), so a rank that failed its
+own writes stops the others instead of leaving them waiting. Pure planning on synthetic plans of
+64 ranks; real saves on 3 gloo ranks to S3 (moto, radosgw) and to a staged ``file://`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from _data import assert_same, folder_bytes, random_tensor, seed_of
+from _dist import run_ranks
+from hf_dcp_storage import HFStorageReader, HFStorageWriter
+from hf_dcp_storage._s3parts import GatherPart
+from hf_dcp_storage._spread import GatherTask, MergeTask, assign
+from hf_dcp_storage.writer import _plan_tasks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
+from bench_scale import bytes_per_rank, dcp_global_plan, plan_ours  # noqa: E402
+
+INDEX = "model.safetensors.index.json"
+# One layer of a 1B-class model over 64 ranks: every rank's run of every tensor is under 5 MiB,
+# so on S3 every byte is gathered (the 1,000-rank situation, small enough for a unit test).
+SMALL_RUNS = LlamaConfig(layers=1, hidden=2048, intermediate=5632, kv_dim=256, vocab=32000)
+
+
+# -- pure: who does what ------------------------------------------------------------------------
+
+
+def test_assign_gives_the_largest_task_first_to_the_least_loaded_rank() -> None:
+    # 60 B goes to idle rank 1 (it now counts 120); then 30 B to rank 0 (100 < 120).
+    assert assign([30, 60], [100, 0]) == [0, 1]
+    assert assign([10, 10, 10], [0, 0]) == [0, 1, 0]  # ties go to the lower rank
+    assert assign([], [7]) == []
+
+
+def test_assign_keeps_every_rank_within_one_task_of_the_others() -> None:
+    rng = random.Random(0)
+    sizes = [rng.randint(1, 5 << 20) for _ in range(3000)]
+    load = [rng.randint(0, 50 << 20) for _ in range(64)]
+    total = list(load)
+    for size, rank in zip(sizes, assign(sizes, load), strict=True):
+        total[rank] += 2 * size
+    assert max(total) - min(total) <= 2 * max(sizes)
+
+
+def _object_plans(world: int):
+    writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB", direct_write=False)
+    plans = [writer.prepare_local_plan(rank_save_plan(llama_shapes(SMALL_RUNS), Mesh(world), r)) for r in range(world)]
+    global_plan, _ = dcp_global_plan(plans, {})
+    return writer, global_plan
+
+
+def test_every_gathered_s3_part_is_given_to_one_rank_and_the_bytes_are_balanced() -> None:
+    writer, global_plan = _object_plans(64)
+    ours = plan_ours(writer, global_plan, "s3")
+    gathers = {(f, p.number): p for f, parts in enumerate(ours.s3_parts) for p in parts if isinstance(p, GatherPart)}
+    total = sum(f.size for f in ours.layout.files)
+    assert sum(p.nbytes for p in gathers.values()) > 0.9 * total  # the situation this is for
+    tasks = [p.storage_data.tasks for p in ours.rank_plans]
+    given = [(t.file, t.number) for ts in tasks for t in ts]
+    assert sorted(given) == sorted(gathers)  # each gathered part exactly once
+    for t in (t for ts in tasks for t in ts):
+        assert isinstance(t, GatherTask)
+        assert t.nbytes == gathers[(t.file, t.number)].nbytes  # its sources cover the part
+    # Bytes each rank moves: its own (uploaded once), and its gathered parts (read and written).
+    # Tasks are ~5 MiB parts, so the balance is one task: the busiest rank moves at most one
+    # gathered part (read and written) more than the idlest.
+    moved = [own + 2 * sum(t.nbytes for t in ts) for own, ts in zip(bytes_per_rank(global_plan), tasks, strict=True)]
+    largest = max(t.nbytes for ts in tasks for t in ts)
+    assert max(moved) - min(moved) <= 2 * largest, f"moved per rank: {min(moved)}..{max(moved)} B, largest task {largest} B"
+    assert sum(1 for ts in tasks if ts) == 64  # the coordinator is one of 64, not the one
+    assert max(len(ts) for ts in tasks) <= -(-len(gathers) // 64) + 1
+    assert all(p.storage_data.meet and p.storage_data.world == 64 for p in ours.rank_plans)
+
+
+def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> None:
+    writer, global_plan = _object_plans(16)
+    ours = plan_ours(writer, global_plan, "local")  # layout and placements; tasks planned below
+    tasks = _plan_tasks(ours.layout, "staged", global_plan, ours.placements, None, lambda name, rank: f"{name}.rank{rank:05d}")
+    merges = sorted((t for ts in tasks for t in ts), key=lambda t: t.file)
+    assert [t.file for t in merges] == list(range(len(ours.layout.files)))
+    for t in merges:
+        assert isinstance(t, MergeTask)
+        plan = ours.layout.files[t.file]
+        assert (t.header, t.nbytes) == (plan.header, plan.size)
+        assert sum(p.itemsize * torch.Size(p.sizes).numel() for p in t.pieces) == plan.size - len(plan.header)
+    assert len([ts for ts in tasks if ts]) == min(16, len(ours.layout.files))  # one file each while ranks last
+    assert _plan_tasks(ours.layout, "direct", global_plan, ours.placements, None, str) is None
+
+
+# -- real saves on 3 ranks ----------------------------------------------------------------------
+
+# 8 row-sharded 4 MiB tensors on 3 ranks: every rank's run (about 1.3 MiB) is under S3's 5 MiB
+# part minimum, so on S3 every byte is staged and gathered; plus odd small ones.
+KEYS = [(f"layers.{i}.w", (1024, 1024), torch.float32) for i in range(8)] + [
+    ("norm", (1000,), torch.bfloat16),
+    ("uneven", (7, 5), torch.int64),
+]
+
+
+def _full(name: str) -> torch.Tensor:
+    shape, dtype = next((s, d) for n, s, d in KEYS if n == name)
+    return random_tensor(shape, dtype, seed_of(name))
+
+
+def _sharded(mesh) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {n: distribute_tensor(_full(n), mesh, [Replicate() if n == "norm" else Shard(0)], src_data_rank=None) for n, _, _ in KEYS}
+
+
+def _save_spread(rank: int, world: int, url: str, options: dict | None, local_dir: str, out: str) -> None:
+    """Every rank: the same state dict saved to ``url`` (staged) and to local disk (direct); the
+    coordinator reports who gathered what; then every rank loads its shards back from ``url``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = _sharded(mesh)
+    writer = HFStorageWriter(url, storage_options=options, max_shard_size="12MB", direct_write=False)
+    dcp.save(sd, storage_writer=writer)
+    dcp.save(sd, storage_writer=HFStorageWriter(local_dir, max_shard_size="12MB"))
+    if rank == 0:
+        stats = writer.merge_stats
+        store = dist.distributed_c10d._get_default_store()
+        left = store.check([f"hf_dcp_storage/arrival/{writer._save_id}/arrived"])
+        Path(out).write_text(json.dumps({"by_rank": stats.by_rank, "client": stats.client_bytes, "coordinator": stats.coordinator_bytes, "total": stats.total_bytes, "keys_left": left}))
+    dest = _sharded(mesh)
+    for v in dest.values():
+        v.to_local().zero_()
+    dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options))
+    for name, v in dest.items():
+        assert_same(v.to_local(), _sharded(mesh)[name].to_local(), f"rank {rank}: {name}")
+
+
+def _check_spread(stats: dict, gathered_everything: bool) -> None:
+    assert stats["coordinator"] == 0, stats  # the coordinator only completed and committed
+    assert stats["keys_left"] is False, "the ranks' meeting keys were left in the store"
+    busy = {int(r): b for r, b in stats["by_rank"].items() if b > 0}
+    assert len(busy) >= 2, f"the finishing work went to {sorted(busy)} only: {stats}"
+    assert sum(busy.values()) == stats["client"] > 0
+    if gathered_everything:
+        assert stats["client"] > 0.9 * stats["total"]
+
+
+@pytest.mark.distributed
+def test_s3_parts_are_gathered_by_several_ranks_not_the_coordinator(s3, s3_endpoint, tmp_path) -> None:
+    bucket, options = s3
+    url = f"{bucket}/run/step_1"
+    out = tmp_path / "stats.json"
+    run_ranks(_save_spread, 3, url, options, str(tmp_path / "local"), str(out))
+    _check_spread(json.loads(out.read_text()), gathered_everything=True)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    on_s3 = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(url.removeprefix("s3://"))}
+    on_disk = folder_bytes(tmp_path / "local")
+    assert sorted(on_s3) == sorted(on_disk) and len(on_disk) >= 3  # index + several files, no staging left
+    assert [n for n in on_disk if on_s3[n] != on_disk[n]] == []
+
+
+@pytest.mark.distributed
+def test_files_of_a_staged_save_are_merged_by_several_ranks(tmp_path) -> None:
+    out = tmp_path / "stats.json"
+    run_ranks(_save_spread, 3, (tmp_path / "staged").as_uri(), None, str(tmp_path / "local"), str(out))
+    _check_spread(json.loads(out.read_text()), gathered_everything=False)
+    staged, direct = folder_bytes(tmp_path / "staged"), folder_bytes(tmp_path / "local")
+    assert sorted(staged) == sorted(direct) and len(direct) >= 3
+    assert [n for n in direct if staged[n] != direct[n]] == []
+
+
+class _FailOnRank1(DefaultSavePlanner):
+    """Rank 1 fails while writing its own bytes (before the ranks meet)."""
+
+    def resolve_data(self, write_item):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise OSError("disk on fire (injected)")
+        return super().resolve_data(write_item)
+
+
+def _save_failing(rank: int, world: int, url: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sd = _sharded(init_device_mesh("cpu", (world,)))
+    try:
+        dcp.save(sd, storage_writer=HFStorageWriter(url, max_shard_size="12MB", direct_write=False), planner=_FailOnRank1())
+    except CheckpointException as exc:
+        if rank == 0:
+            Path(out).write_text(json.dumps({str(r): str(e) for r, (e, _) in exc.failures.items()}))
+        return
+    raise AssertionError(f"rank {rank}: the save succeeded though rank 1 failed")
+
+
+@pytest.mark.distributed
+def test_a_rank_that_fails_its_writes_stops_the_others_before_they_gather(tmp_path) -> None:
+    out = tmp_path / "failures.json"
+    folder = tmp_path / "ckpt"
+    run_ranks(_save_failing, 2, folder.as_uri(), str(out))  # returns: nobody waits forever
+    failures = json.loads(out.read_text())
+    assert "disk on fire" in failures["1"]
+    assert "ranks [1] of 2 failed to write their bytes" in failures["0"], failures
+    assert not (folder / INDEX).exists()
+    assert not list(folder.glob("model-*.safetensors")), "a file was merged from a failed save"
