@@ -251,8 +251,8 @@ def s3_requests(ours: OurPlan, written: Sequence[int]) -> dict[str, Any]:
             part = max(STREAM_PART_BYTES, MIN_PART_BYTES, -(-staged // MAX_PARTS))
             requests[rank] += 0 if staged == 0 else 1 if staged < part else 2 + -(-staged // part)
         for task in plan.storage_data.tasks:
-            gathered[rank] += sum(s[2] for s in task.sources if not isinstance(s, bytes))
-            requests[rank] += 1 + len({s[0] for s in task.sources if not isinstance(s, bytes)})
+            gathered[rank] += task.nbytes - len(task.head)
+            requests[rank] += 1 + len(task.base)
     total = sum(written)
     moved = [w + 2 * g for w, g in zip(written, gathered, strict=True)]
     return {

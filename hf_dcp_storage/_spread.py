@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._merge import StagedPiece
-from ._s3parts import GatherPart
+from ._s3parts import GatherPart, RankPart
 
-__all__ = ["GatherTask", "MergeTask", "Source", "assign", "gather_sources"]
+__all__ = ["GatherTask", "MergeTask", "Source", "assign", "gather_tasks", "gather_sources"]
 
 # One piece of a gathered part, in file order: literal bytes (the file's header, which the
 # coordinator knows), or ``(rank, offset, nbytes)``: a range of that rank's staged object.
@@ -29,15 +29,36 @@ Source = bytes | tuple[int, int, int]
 
 @dataclass(frozen=True)
 class GatherTask:
-    """(S3) Assemble part ``number`` of file ``file`` from ``sources`` and upload it."""
+    """(S3) Assemble part ``number`` of file ``file`` and upload it (``nbytes`` bytes).
+
+    The part holds, in order, ``head`` (the header's bytes in it, if any), then the file ranges
+    ``pieces`` ``(rank, start, end)`` that ``rank`` staged. A rank stages its bytes of a file in
+    file order, so its pieces in one part lie back to back in its staged object, from offset
+    ``base[rank]``: the task names one offset per rank, not one per run. ``explicit``, when not
+    empty, replaces all that with the part's sources as they are (a rank holding several
+    chunks of one tensor stages them chunk after chunk, not in file order).
+    """
 
     file: int
     number: int
-    sources: tuple[Source, ...]
+    nbytes: int
+    head: bytes = b""
+    pieces: tuple[tuple[int | None, int, int], ...] = ()
+    base: tuple[tuple[int, int], ...] = ()
+    explicit: tuple[Source, ...] = ()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(s) if isinstance(s, bytes) else s[2] for s in self.sources)
+    def sources(self) -> list[Source]:
+        """The part's bytes in order: literal bytes, or ``(rank, offset, nbytes)`` staged ranges."""
+        if self.explicit:
+            return list(self.explicit)
+        out: list[Source] = [self.head] if self.head else []
+        at = dict(self.base)
+        for rank, start, end in self.pieces:
+            if rank is None:
+                continue  # the header: ``head``
+            out.append((rank, at[rank], end - start))
+            at[rank] += end - start
+        return out
 
 
 @dataclass(frozen=True)
@@ -69,9 +90,32 @@ def assign(sizes: Sequence[int], load: Sequence[int]) -> list[int]:
     return out
 
 
+def gather_tasks(parts: Sequence[Sequence[RankPart | GatherPart]], headers: Sequence[bytes]) -> list[GatherTask]:
+    """A task for each gathered part of every file (``parts[f]``, in file order), given that every
+    rank stages its bytes of a file in file order (one chunk per tensor per rank: every DTensor
+    save). One pass over the parts' pieces, which the tasks share. Pure."""
+    tasks = []
+    for f, file_parts in enumerate(parts):
+        staged: dict[int, int] = {}  # rank -> its bytes staged before the current part
+        for p in file_parts:
+            if not isinstance(p, GatherPart):
+                continue  # a rank's own part: none of its bytes are staged
+            head, base = b"", {}
+            for rank, start, end in p.pieces:
+                if rank is None:
+                    head = headers[f][start:end]
+                    continue
+                if rank not in base:
+                    base[rank] = staged.get(rank, 0)
+                staged[rank] = staged.get(rank, 0) + end - start
+            tasks.append(GatherTask(f, p.number, p.nbytes, head, p.pieces, tuple(base.items())))
+    return tasks
+
+
 def gather_sources(part: GatherPart, header: bytes, locate: Callable[[int, int, int], list[tuple[int, int]]]) -> tuple[Source, ...]:
-    """Where the bytes of ``part`` sit: header slices, and ``(rank, offset, nbytes)`` ranges of
-    the ranks' staged objects, from ``locate(rank, start, end)`` (a ``StagedIndex`` lookup)."""
+    """Where the bytes of ``part`` sit, for stagings not in file order: header slices, and
+    ``(rank, offset, nbytes)`` ranges of the ranks' staged objects, from ``locate(rank, start,
+    end)`` (a ``StagedIndex`` lookup)."""
     out: list[Source] = []
     for rank, start, end in part.pieces:
         if rank is None:

@@ -49,7 +49,7 @@ from ._retry import RetryPolicy
 from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, gather_bytes, s3_for
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from ._slabs import as_bytes, slab_bounds, sub_chunk
-from ._spread import GatherTask, MergeTask, assign, gather_sources
+from ._spread import GatherTask, MergeTask, assign, gather_sources, gather_tasks
 from . import _arrival
 from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
@@ -443,7 +443,7 @@ class HFStorageWriter(StorageWriter):
                 merge_file(self.fs, path, task.header, task.nbytes, task.pieces)
                 return task.file, None
             assert self._s3 is not None
-            data = gather_bytes(self._s3, task.sources, lambda rank: self._staged_path(files[task.file], rank))
+            data = gather_bytes(self._s3, task.sources(), lambda rank: self._staged_path(files[task.file], rank))
             upload_id = uploads.get(task.file)
             if upload_id is None:  # a one-part file: the object whole
                 self._s3.put(path, data)
@@ -765,14 +765,14 @@ class HFStorageWriter(StorageWriter):
                 by_ranks.setdefault(f, set()).update(e["PartNumber"] for e in parts)
                 etags.setdefault(f, []).extend(e for e in parts if "ETag" in e)
         here = any(isinstance(p, GatherPart) and p.number not in by_ranks.get(f, ()) for f, parts in enumerate(s3_parts) for p in parts)
-        # Where each rank's staged bytes sit, only when some part is gathered here.
-        indexes = _staged_indexes(layout, _written_items(results, self._items), s3_parts) if here else {}
+        # Where the staged bytes sit, only when some part is gathered here.
+        tasks = {(t.file, t.number): t for t in _gather_tasks(layout, s3_parts, _written_items(results, self._items))} if here else {}
 
         try:
             for f, plan in enumerate(layout.files):
 
-                def sources(part: GatherPart, f: int = f, header: bytes = plan.header) -> tuple[Any, ...]:
-                    return gather_sources(part, header, lambda rank, start, end: indexes[(f, rank)].locate(start, end))
+                def sources(part: GatherPart, f: int = f) -> list[Any]:
+                    return tasks[(f, part.number)].sources()
 
                 complete_file(
                     self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, s3_parts[f],
@@ -904,6 +904,23 @@ def _staged_indexes(layout: Layout, written: Mapping[tuple[int, int], list[Write
     return indexes
 
 
+def _gather_tasks(layout: Layout, s3_parts: list[list[RankPart | GatherPart]], written: Mapping[tuple[int, int], list[WriteItem]]) -> list[GatherTask]:
+    """(coordinator) A task per gathered S3 part: where its bytes sit in the ranks' staged
+    objects. With one chunk per tensor per rank (every DTensor save) each rank stages in file
+    order and one pass over the parts says it all; otherwise each rank's routing is replayed
+    and every range located (``StagedIndex``). Pure."""
+    if all(len({it.index.fqn for it in items}) == len(items) for items in written.values()):
+        return gather_tasks(s3_parts, [f.header for f in layout.files])
+    indexes = _staged_indexes(layout, written, s3_parts)
+    tasks = []
+    for f, parts in enumerate(s3_parts):
+        for p in parts:
+            if isinstance(p, GatherPart):
+                locate = lambda rank, start, end, f=f: indexes[(f, rank)].locate(start, end)  # noqa: E731
+                tasks.append(GatherTask(f, p.number, p.nbytes, explicit=gather_sources(p, layout.files[f].header, locate)))
+    return tasks
+
+
 def _plan_tasks(
     layout: Layout,
     mode: str,
@@ -927,13 +944,7 @@ def _plan_tasks(
     tasks: list[GatherTask | MergeTask] = []
     if mode == "s3":
         assert s3_parts is not None
-        indexes = _staged_indexes(layout, written, s3_parts)
-        for f, parts in enumerate(s3_parts):
-            header = layout.files[f].header
-            for p in parts:
-                if isinstance(p, GatherPart):
-                    sources = gather_sources(p, header, lambda rank, start, end, f=f: indexes[(f, rank)].locate(start, end))
-                    tasks.append(GatherTask(f, p.number, sources))
+        tasks.extend(_gather_tasks(layout, s3_parts, written))
     else:
         pieces: dict[int, list[StagedPiece]] = {}
         for (f, rank), file_items in sorted(written.items()):

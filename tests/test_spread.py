@@ -25,7 +25,11 @@ from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
 from hf_dcp_storage._s3parts import GatherPart
 from hf_dcp_storage._spread import GatherTask, MergeTask, assign
-from hf_dcp_storage.writer import _plan_tasks
+from hf_dcp_storage._layout import chunk_runs, collect_tensor_specs, parse_size, place_items, plan_layout
+from hf_dcp_storage._s3parts import RankPart, route_run
+from hf_dcp_storage.writer import _in_write_order, _plan_s3_parts, _plan_tasks
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
@@ -100,6 +104,69 @@ def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> 
         assert sum(p.itemsize * torch.Size(p.sizes).numel() for p in t.pieces) == plan.size - len(plan.header)
     assert len([ts for ts in tasks if ts]) == min(16, len(ours.layout.files))  # one file each while ranks last
     assert _plan_tasks(ours.layout, "direct", global_plan, ours.placements, None, str) is None
+
+
+def _item(key: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:
+    chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+    return WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, TensorProperties(dtype=torch.uint8), torch.Size(shape)))
+
+
+def _two_chunk_plans(world: int) -> list[SavePlan]:
+    """Column blocks of two 2-D keys, rank r holding blocks r and r + world of 2 x world (so its
+    two chunks of a key interleave row by row in the file), and a row-sharded key."""
+    plans = []
+    for r in range(world):
+        items = []
+        for key, rows, cols in (("a", 2048, 2 * world * 600), ("b", 1500, 2 * world * 1000)):
+            w = cols // (2 * world)
+            items += [_item(key, (rows, cols), (0, b * w), (rows, w)) for b in (r, r + world)]
+        rows = (3 << 20) // 1000
+        items.append(_item("c", (rows, 1000), (r * rows // world, 0), ((r + 1) * rows // world - r * rows // world, 1000)))
+        plans.append(SavePlan(items))
+    return plans
+
+
+def _dtensor_plans(world: int) -> list[SavePlan]:
+    """DCP's plans for FSDP x TP DTensors (uint8 here, so the bytes are easy to make)."""
+    shapes = [("wq", (1536, 2048)), ("w1", (3000, 1024)), ("w2", (1024, 3000)), ("norm", (1024,)), ("emb", (4096, 512))]
+    plans = [rank_save_plan(shapes, Mesh(world // 2, 2), r, dtype=torch.uint8) for r in range(world)]
+    return dcp_global_plan(plans, {})[0]
+
+
+@pytest.mark.parametrize("make, fast", [(_dtensor_plans, True), (_two_chunk_plans, False)], ids=["dtensor-2d", "two-chunks-per-rank"])
+def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make, fast: bool) -> None:
+    """Stage every rank's bytes as ``_write_s3`` routes them, then assemble each gathered part
+    from its task's sources: byte for byte the consolidated file's part."""
+    world = 8
+    plans = make(world)
+    specs = collect_tensor_specs(plans, key_order=[() for _ in plans])
+    layout = plan_layout(specs, max_shard_bytes=parse_size("8MiB"), fqn_to_index_mapping=None)
+    placements = place_items(layout, plans)
+    s3_parts = _plan_s3_parts(layout, plans, placements)
+    full = {k: torch.randint(0, 256, spec.shape, generator=torch.Generator().manual_seed(i), dtype=torch.uint8) for i, (k, spec) in enumerate(layout.specs.items())}
+    files = [bytearray(f.header) + bytearray(f.size - len(f.header)) for f in layout.files]
+    for k, t in full.items():
+        f = layout.weight_map[k]
+        file = layout.names.index(f)
+        files[file][layout.tensor_start[k] : layout.tensor_start[k] + t.numel()] = t.numpy().tobytes()
+    staged: dict[tuple[int, int], bytearray] = {}
+    for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
+        for item in _in_write_order(plan.items, lambda it: layout.tensor_start[it.index.fqn]):
+            td, place = item.tensor_data, placed[item.index]
+            own = [p for p in s3_parts[place.file] if isinstance(p, RankPart) and p.rank == rank]
+            chunk = full[item.index.fqn][tuple(slice(o, o + n) for o, n in zip(td.chunk.offsets, td.chunk.sizes, strict=True))].contiguous().numpy().tobytes()
+            for t, c, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, 1):
+                for at, take, part in route_run(place.tensor_start + t, n, [p.start for p in own], own):
+                    if part is None:
+                        staged.setdefault((place.file, rank), bytearray()).extend(chunk[c + at - place.tensor_start - t : c + at - place.tensor_start - t + take])
+    tasks = [t for ts in _plan_tasks(layout, "s3", plans, placements, s3_parts, str) for t in ts]
+    gathers = {(f, p.number): p for f, parts in enumerate(s3_parts) for p in parts if isinstance(p, GatherPart)}
+    assert sorted((t.file, t.number) for t in tasks) == sorted(gathers) and len(tasks) >= 3
+    for task in tasks:
+        assert bool(task.explicit) is not fast and bool(task.base) is fast
+        data = b"".join(s if isinstance(s, bytes) else bytes(staged[(task.file, s[0])][s[1] : s[1] + s[2]]) for s in task.sources())
+        pieces = gathers[(task.file, task.number)].pieces
+        assert data == bytes(files[task.file][pieces[0][1] : pieces[-1][2]]), f"file {task.file} part {task.number}"
 
 
 # -- real saves on 3 ranks ----------------------------------------------------------------------
