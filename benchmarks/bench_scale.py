@@ -252,7 +252,7 @@ def s3_requests(ours: OurPlan, written: Sequence[int]) -> dict[str, Any]:
             requests[rank] += 0 if staged == 0 else 1 if staged < part else 2 + -(-staged // part)
         for task in plan.storage_data.tasks:
             gathered[rank] += task.nbytes - len(task.head)
-            requests[rank] += 1 + len(task.base)
+            requests[rank] += 1 + len(task.base)  # a rank's runs in a part are one GET
     total = sum(written)
     moved = [w + 2 * g for w, g in zip(written, gathered, strict=True)]
     return {

@@ -1,9 +1,9 @@
 """Merge per-rank staged objects into one consolidated safetensors file, with bounded memory.
 
 Used where the store has no positioned writes (object stores, ``memory://``): each rank
-streamed its chunks of an output file, in chunk byte order, into one staged object; the
-coordinator walks the output file front to back and copies each byte run from the staged
-object that holds it.
+streamed its chunks of an output file, in chunk byte order, into one staged object; the rank
+given the file (``_spread``; the coordinator when finishing an interrupted save) walks the
+output file front to back and copies each byte run from the staged object that holds it.
 """
 
 from __future__ import annotations

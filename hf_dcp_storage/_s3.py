@@ -82,14 +82,19 @@ class S3:
 
     def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]], *, concurrency: int = 16) -> list[bytes]:
         """Bytes ``[start, end)`` of each range, fetched with up to ``concurrency`` GETs in flight."""
-        bucket, key = _bucket_key(path)
+        return self.get_spans([(path, start, end) for start, end in ranges], concurrency=concurrency)
+
+    def get_spans(self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
+        """Bytes ``[start, end)`` of each ``(path, start, end)``, of any objects, with up to
+        ``concurrency`` GETs in flight."""
 
         async def fetch_all() -> list[bytes]:
             gate = asyncio.Semaphore(concurrency)
 
-            async def one(start: int, end: int) -> bytes:
+            async def one(path: str, start: int, end: int) -> bytes:
                 if end <= start:
                     return b""
+                bucket, key = _bucket_key(path)
                 kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
                 async with gate:
                     r = await self.retry.acall(
@@ -97,7 +102,7 @@ class S3:
                     )
                 return r["Data"]
 
-            return list(await asyncio.gather(*(one(s, e) for s, e in ranges)))
+            return list(await asyncio.gather(*(one(*span) for span in spans)))
 
         return sync(self.fs.loop, fetch_all)
 
@@ -375,24 +380,35 @@ def complete_file(
 
 def gather_bytes(s3: S3, sources: Sequence[Source], staged_path: Callable[[int], str]) -> bytearray:
     """A gathered part's bytes: literal pieces (the header's) and ranges of the ranks' staged
-    objects (``staged_path(rank)``), fetched with parallel, coalesced GETs.
+    objects (``staged_path(rank)``). Ranges that follow each other in one staged object (a
+    rank's runs in a part, which it staged back to back) are one GET; all GETs run in parallel.
 
     Raises:
         RuntimeError: a staged object is shorter than the save recorded (an inconsistent save).
     """
-    by_source: dict[str, list[tuple[int, int]]] = {}
-    for s in sources:
-        if not isinstance(s, bytes):
-            by_source.setdefault(staged_path(s[0]), []).append((s[1], s[1] + s[2]))
-    fetched = {path: iter(s3.get_ranges(path, ranges)) for path, ranges in by_source.items()}
-    out = bytearray()
+    spans: list[list[Any]] = []  # [path, start, end], joined while ranges follow each other
+    last: dict[str, int] = {}  # path -> index of its latest span
+    plan: list[bytes | tuple[int, int, int]] = []  # literal bytes, or (span, offset in it, nbytes)
     for s in sources:
         if isinstance(s, bytes):
-            out += s
+            plan.append(s)
             continue
         path = staged_path(s[0])
-        data = next(fetched[path])
-        if len(data) != s[2]:
-            raise RuntimeError(f"s3://{path}: staged object ends early at byte {s[1] + len(data)}")
-        out += data
+        i = last.get(path)
+        if i is None or spans[i][2] != s[1]:
+            i = last[path] = len(spans)
+            spans.append([path, s[1], s[1]])
+        plan.append((i, spans[i][2] - spans[i][1], s[2]))
+        spans[i][2] += s[2]
+    fetched = s3.get_spans([(p, a, b) for p, a, b in spans])
+    out = bytearray()
+    for step in plan:
+        if isinstance(step, bytes):
+            out += step
+            continue
+        i, offset, n = step
+        data = fetched[i]
+        if len(data) < offset + n:
+            raise RuntimeError(f"s3://{spans[i][0]}: staged object ends early at byte {spans[i][1] + len(data)}")
+        out += memoryview(data)[offset : offset + n]
     return out

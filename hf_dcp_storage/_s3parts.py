@@ -4,14 +4,15 @@ A consolidated file on S3 is one multipart upload. Its parts are cut so that mos
 bytes of a single rank: that rank uploads them itself, straight from its tensors, and they never
 pass through any other process nor get copied afterwards (``RankPart``). S3 wants every part but
 the last to hold at least 5 MiB, so byte runs too small for that (norms, biases, the header, a
-rank's share of a small tensor) are staged by their ranks and gathered into parts by the
-coordinator (``GatherPart``); a short gather in front of a big run takes that run's first bytes to
-reach the minimum. The coordinator completes the upload once every part is in.
+rank's share of a small tensor) are staged by their ranks and gathered into parts, each by the
+rank the coordinator gives it to (``GatherPart``, ``_spread``); a short gather in front of a big
+run takes that run's first bytes to reach the minimum. The coordinator completes the upload once
+every part is in.
 
 Both sides run the same pure code: the coordinator plans the parts (``plan_file_parts``) and every
 rank routes each byte run it writes either into one of its parts or into its staged object
 (``route_run``), in a processing order both sides reproduce, so the coordinator knows where each
-staged byte is without being told.
+staged byte is without being told, and can tell the rank that gathers it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class RankPart:
 
 @dataclass(frozen=True)
 class GatherPart:
-    """Part ``number``, assembled by the coordinator from ``pieces`` ``(rank, start, end)`` of the
+    """Part ``number``, assembled by one rank from ``pieces`` ``(rank, start, end)`` of the
     file (``rank`` ``None``: the header); the ranks staged those bytes."""
 
     number: int

@@ -14,8 +14,11 @@ after all ranks have staged (``_arrival.py``). Pure planning: no I/O.
 from __future__ import annotations
 
 import heapq
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ._merge import StagedPiece
 from ._s3parts import GatherPart, RankPart
@@ -31,19 +34,20 @@ Source = bytes | tuple[int, int, int]
 class GatherTask:
     """(S3) Assemble part ``number`` of file ``file`` and upload it (``nbytes`` bytes).
 
-    The part holds, in order, ``head`` (the header's bytes in it, if any), then the file ranges
-    ``pieces`` ``(rank, start, end)`` that ``rank`` staged. A rank stages its bytes of a file in
-    file order, so its pieces in one part lie back to back in its staged object, from offset
-    ``base[rank]``: the task names one offset per rank, not one per run. ``explicit``, when not
-    empty, replaces all that with the part's sources as they are (a rank holding several
-    chunks of one tensor stages them chunk after chunk, not in file order).
+    The part holds, in order, ``head`` (the header's bytes in it, if any), then the byte runs
+    the ranks staged, in file order: ``runs``, zlib-compressed int64 pairs ``(rank, nbytes)``
+    (a column shard makes one run per row, in a pattern that compresses to almost nothing). A
+    rank stages its bytes of a file in file order, so its runs in one part lie back to back in
+    its staged object, from offset ``base[rank]``: one offset per rank, not one per run.
+    ``explicit``, when not empty, replaces all that with the part's sources as they are (a rank
+    holding several chunks of one tensor stages them chunk after chunk, not in file order).
     """
 
     file: int
     number: int
     nbytes: int
     head: bytes = b""
-    pieces: tuple[tuple[int | None, int, int], ...] = ()
+    runs: bytes = b""
     base: tuple[tuple[int, int], ...] = ()
     explicit: tuple[Source, ...] = ()
 
@@ -53,12 +57,18 @@ class GatherTask:
             return list(self.explicit)
         out: list[Source] = [self.head] if self.head else []
         at = dict(self.base)
-        for rank, start, end in self.pieces:
-            if rank is None:
-                continue  # the header: ``head``
-            out.append((rank, at[rank], end - start))
-            at[rank] += end - start
+        for rank, n in _decode_runs(self.runs).tolist():
+            out.append((rank, at[rank], n))
+            at[rank] += n
         return out
+
+
+def _encode_runs(runs: np.ndarray) -> bytes:
+    return zlib.compress(np.ascontiguousarray(runs, dtype=np.int64).tobytes(), 1)
+
+
+def _decode_runs(data: bytes) -> np.ndarray:
+    return np.frombuffer(zlib.decompress(data), dtype=np.int64).reshape(-1, 2) if data else np.empty((0, 2), dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -93,22 +103,27 @@ def assign(sizes: Sequence[int], load: Sequence[int]) -> list[int]:
 def gather_tasks(parts: Sequence[Sequence[RankPart | GatherPart]], headers: Sequence[bytes]) -> list[GatherTask]:
     """A task for each gathered part of every file (``parts[f]``, in file order), given that every
     rank stages its bytes of a file in file order (one chunk per tensor per rank: every DTensor
-    save). One pass over the parts' pieces, which the tasks share. Pure."""
+    save). Pure."""
     tasks = []
     for f, file_parts in enumerate(parts):
         staged: dict[int, int] = {}  # rank -> its bytes staged before the current part
         for p in file_parts:
             if not isinstance(p, GatherPart):
                 continue  # a rank's own part: none of its bytes are staged
-            head, base = b"", {}
-            for rank, start, end in p.pieces:
-                if rank is None:
-                    head = headers[f][start:end]
-                    continue
-                if rank not in base:
-                    base[rank] = staged.get(rank, 0)
-                staged[rank] = staged.get(rank, 0) + end - start
-            tasks.append(GatherTask(f, p.number, p.nbytes, head, p.pieces, tuple(base.items())))
+            pieces = p.pieces
+            head = b""
+            if pieces and pieces[0][0] is None:  # the header comes first, if at all
+                head, pieces = headers[f][pieces[0][1] : pieces[0][2]], pieces[1:]
+            arr = np.array(pieces, dtype=np.int64).reshape(-1, 3)
+            runs = np.stack([arr[:, 0], arr[:, 2] - arr[:, 1]], axis=1)
+            ranks, first, inverse = np.unique(runs[:, 0], return_index=True, return_inverse=True)
+            per_rank = np.bincount(inverse, weights=runs[:, 1], minlength=len(ranks)).astype(np.int64)
+            order = np.argsort(first)  # ranks in the order they first appear in the part
+            base = []
+            for rank, n in zip(ranks[order].tolist(), per_rank[order].tolist(), strict=True):
+                base.append((rank, staged.get(rank, 0)))
+                staged[rank] = staged.get(rank, 0) + n
+            tasks.append(GatherTask(f, p.number, p.nbytes, head, _encode_runs(runs), tuple(base)))
     return tasks
 
 

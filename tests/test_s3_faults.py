@@ -20,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from safetensors.torch import load as st_load  # noqa: E402
+
 from _checks import raises_in_checkpoint  # noqa: E402
 from _data import assert_same, folder_bytes, random_tensor  # noqa: E402
 from _dist import run_ranks  # noqa: E402
@@ -243,3 +245,29 @@ def test_resharded_loads_fetch_what_they_need_in_few_requests(proxied) -> None:
     narrow_fetched = 2 * (96 * row - row // 2)
     assert data_bytes == nbytes["wide"] + nbytes["norm"] + narrow_fetched
     assert len(data) <= 2 * (1 + 2 + 1)  # per rank: narrow, wide's two rows, norm
+
+
+def _save_column_shards(rank: int, world: int, url: str, options: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    # 1 KiB half-rows: every rank's runs are tiny and interleave row by row (8 MiB in all).
+    full = random_tensor((4096, 512), torch.float32, 7)
+    dcp.save({"cols": distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None)}, storage_writer=HFStorageWriter(url, storage_options=options))
+
+
+@pytest.mark.distributed
+def test_a_gathered_part_reads_each_ranks_runs_with_one_request(proxied) -> None:
+    """A column shard stages one run per row; the rank that gathers a part fetches each rank's
+    runs in it (back to back in that rank's staged object) with one ranged GET, not one per row."""
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    run_ranks(_save_column_shards, 2, url, options)
+    staged_gets = [r for r in proxy.requests if r.method == "GET" and ".rank0000" in r.path]
+    size = 4096 * 512 * 4
+    parts = -(-size // (5 << 20))  # gathered parts of about 5 MiB
+    assert 0 < len(staged_gets) <= 2 * parts, f"{len(staged_gets)} GETs of staged runs for {parts} parts"
+    assert sum(r.response_bytes for r in staged_gets) == size
+    tensors = st_load(direct.cat_file(f"{direct._strip_protocol(url)}/model-00001-of-00001.safetensors"))
+    assert_same(tensors["cols"], random_tensor((4096, 512), torch.float32, 7), "cols")
