@@ -17,8 +17,8 @@ Save contenders (``dcp.save`` of the same state dict; wall time = max over ranks
   a  ours        HFStorageWriter("s3://<bucket>/ours_rN") -> consolidated model-*.safetensors +
                  index (each rank uploads the multipart parts that hold only its own bytes
                  straight into the consolidated file's multipart upload; runs under 5 MiB are
-                 staged and gathered into parts by the coordinator in finish, which then
-                 completes the upload); the coordinator's writer.merge_stats is recorded
+                 staged, then gathered into parts by the ranks the coordinator gives them to;
+                 the coordinator completes the upload); its writer.merge_stats is recorded
   b  pt_fsspec   torch FsspecWriter("s3://<bucket>/pt_fsspec_rN", **storage_options) (.distcp,
                  not consolidated)
   c  raw_s3fs    each rank fs.pipe()s the bytes of its local shards, one object per tensor (the floor)
@@ -214,7 +214,7 @@ def project_client_fraction(spec, world: int, header_len: int = 16 << 10) -> flo
     """merge_stats.client_fraction that HFStorageWriter's S3 part planner gives for ``spec`` saved
     as Shard(0) on ``world`` ranks into one file: computed (not measured) with the library's own
     ``plan_file_parts`` on the file's byte runs and their owners. A run of one rank shorter than
-    S3's 5 MiB minimum part is staged and gathered by the coordinator."""
+    S3's 5 MiB minimum part is staged, then gathered (by the ranks)."""
     try:
         from hf_dcp_storage._s3parts import GatherPart, plan_file_parts
     except ImportError:
@@ -250,7 +250,7 @@ def _projection_lines(spec, world: int) -> list[str]:
         rows.append(f"| {name} | {total_bytes(sp) / (1 << 30):.2f} | " + " | ".join(f"{f * 100:.1f} %" for f in fr) + " |")
     return [
         "**projected client-side consolidation bytes** (not measured: the library's part planner run on the byte runs "
-        "of a Shard(0) save into one file, bf16; one rank's runs under S3's 5 MiB minimum part are gathered by the coordinator)",
+        "of a Shard(0) save into one file, bf16; one rank's runs under S3's 5 MiB minimum part are staged, then gathered by the ranks)",
         "",
         "| model | GiB | " + " | ".join(f"{w} ranks" for w in worlds) + " |",
         "|---|---:|" + "---:|" * len(worlds),
@@ -605,8 +605,8 @@ def _writer(name: str, url: str, cfg: dict):
     if name == "ours":
         from hf_dcp_storage import HFStorageWriter
 
-        # _complete_s3: the coordinator's part of finish on S3 (gather the staged small runs into
-        # their parts, upload those, CompleteMultipartUpload); _merge: the non-S3 staged path.
+        # _complete_s3: the coordinator's part of finish on S3 (CompleteMultipartUpload; the ranks
+        # gathered the staged small runs in write_data); _merge: the non-S3 staged path.
         cls = _timed(HFStorageWriter, ["prepare_global_plan", "write_data", "finish", "_complete_s3", "_merge"])
         w = cls(url, storage_options=opts, max_shard_size=cfg["max_shard_size"], **kw)
         w.bench_srv = cfg["server"]
@@ -794,6 +794,8 @@ def rank_main(rank: int, world: int, job: dict) -> None:
                 "total_bytes": ms.total_bytes,
                 "rank_part_bytes": ms.rank_part_bytes,
                 "client_bytes": ms.client_bytes,
+                "coordinator_bytes": ms.coordinator_bytes,
+                "gathered_by_rank": {str(r): b for r, b in sorted(ms.by_rank.items())},
                 "client_fraction": ms.client_fraction,
             }
     if is_save:
@@ -1143,7 +1145,7 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
         for i, m in enumerate(ms):
             lines.append(
                 f"- ours merge_stats (repeat {i}): files {m['files']}, total {m['total_bytes']} B, sent by the ranks "
-                f"as their own parts {m['rank_part_bytes']} B, gathered through the coordinator {m['client_bytes']} B = client_fraction "
+                f"as their own parts {m['rank_part_bytes']} B, staged and gathered {m['client_bytes']} B (by the coordinator {m.get('coordinator_bytes', 'n/a')} B) = client_fraction "
                 f"{m['client_fraction'] * 100:.4f} %"
             )
         lines.append("")
