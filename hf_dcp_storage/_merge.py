@@ -24,6 +24,13 @@ __all__ = ["StagedPiece", "merge_segments", "merge_file", "COPY_BYTES"]
 
 # Bytes moved per read/write while copying: bounds the merge's memory per thread.
 COPY_BYTES = 8 << 20
+# Every staged object of a file stays open while it is merged (FSDP visits them round-robin, one
+# piece each per tensor), and a remote fsspec file keeps one read block: with a thousand ranks,
+# 8 MiB blocks would hold 8 GiB. Blocks shrink to keep their sum near this, but not below
+# _MIN_BLOCK (consecutive pieces of one rank sit back to back in its staged object: a block
+# still serves several).
+_READ_BLOCKS_BUDGET = 256 << 20
+_MIN_BLOCK = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -76,13 +83,16 @@ def merge_file(
 ) -> None:
     """Write ``header`` then every staged run in order to ``out_path``; exactly ``size`` bytes.
 
-    The staged objects are read from ``source_fs`` (default ``fs``); ``on_bytes(n)`` is told
+    The staged objects are read from ``source_fs`` (default ``fs``), all open at once, with read
+    blocks whose sum stays near 256 MiB whatever the number of ranks; ``on_bytes(n)`` is told
     of each block copied.
 
     Raises:
         RuntimeError: the staged runs leave a hole or overlap (an inconsistent save).
     """
     source_fs = source_fs or fs
+    pieces = list(pieces)
+    block = max(_MIN_BLOCK, min(COPY_BYTES, _READ_BLOCKS_BUDGET // max(1, len({p.path for p in pieces}))))
     readers: dict[str, Any] = {}
     # write_stream publishes nothing if the merge fails: no truncated shard is left behind.
     with contextlib.ExitStack() as stack, _fsio.write_stream(fs, out_path, size) as out:
@@ -93,7 +103,7 @@ def merge_file(
                 raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
             src = readers.get(path)
             if src is None:
-                src = readers[path] = stack.enter_context(source_fs.open(path, "rb", block_size=COPY_BYTES))
+                src = readers[path] = stack.enter_context(source_fs.open(path, "rb", block_size=block))
             src.seek(soff)
             left = n
             while left:

@@ -14,6 +14,7 @@ after all ranks have staged (``_arrival.py``). Pure planning: no I/O.
 from __future__ import annotations
 
 import heapq
+import pickle
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,13 +74,29 @@ def _decode_runs(data: bytes) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MergeTask:
-    """(other stores) Write file ``file`` whole: ``header``, then the staged runs of ``pieces``;
-    ``nbytes`` is the file's size."""
+    """(other stores) Write file ``file`` whole (``nbytes``): ``header``, then every rank's
+    staged chunks of it in output order. ``tensors``: ``(tensor_start, shape, itemsize)`` of each
+    key in the file; ``chunks``: zlib-compressed pickled rows ``(rank, tensor, staged_offset,
+    offsets, sizes)``, one per chunk (a file of a thousand ranks' shards holds tens of thousands;
+    their regular numbers compress several-fold)."""
 
     file: int
     header: bytes
     nbytes: int
-    pieces: tuple[StagedPiece, ...]
+    tensors: tuple[tuple[int, tuple[int, ...], int], ...]
+    chunks: bytes
+
+    @staticmethod
+    def encode(rows: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]) -> bytes:
+        return zlib.compress(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+    def pieces(self, staged_path: Callable[[int], str]) -> list[StagedPiece]:
+        """The chunks as ``StagedPiece``s of the ranks' staged objects (``staged_path(rank)``)."""
+        out = []
+        for rank, t, staged_offset, offsets, sizes in pickle.loads(zlib.decompress(self.chunks)):
+            start, shape, itemsize = self.tensors[t]
+            out.append(StagedPiece(staged_path(rank), start, staged_offset, shape, offsets, sizes, itemsize))
+        return out
 
 
 def assign(sizes: Sequence[int], load: Sequence[int]) -> list[int]:

@@ -440,7 +440,7 @@ class HFStorageWriter(StorageWriter):
         def run(task: GatherTask | MergeTask) -> tuple[int, dict[str, Any] | None]:
             path = _fsio.join(self.root, files[task.file])
             if isinstance(task, MergeTask):
-                merge_file(self.fs, path, task.header, task.nbytes, task.pieces)
+                merge_file(self.fs, path, task.header, task.nbytes, task.pieces(lambda rank: self._staged_path(files[task.file], rank)))
                 return task.file, None
             assert self._s3 is not None
             data = gather_bytes(self._s3, task.sources(), lambda rank: self._staged_path(files[task.file], rank))
@@ -946,18 +946,20 @@ def _plan_tasks(
         assert s3_parts is not None
         tasks.extend(_gather_tasks(layout, s3_parts, written))
     else:
-        pieces: dict[int, list[StagedPiece]] = {}
+        keys = [[e.name for e in plan.entries] for plan in layout.files]
+        key_index = [{k: t for t, k in enumerate(ks)} for ks in keys]
+        rows: dict[int, list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]] = {}
         for (f, rank), file_items in sorted(written.items()):
-            name, pos = layout.files[f].name, 0
+            pos = 0
             # The rank streams its items in this order, so each one's offset in its staged object is known.
             for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
                 td = item.tensor_data
                 assert td is not None
-                pieces.setdefault(f, []).append(
-                    StagedPiece(staged_path(name, rank), layout.tensor_start[item.index.fqn], pos, tuple(td.size), tuple(td.chunk.offsets), tuple(td.chunk.sizes), element_size(td.properties.dtype))
-                )
+                rows.setdefault(f, []).append((rank, key_index[f][item.index.fqn], pos, tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
                 pos += _chunk_bytes(item)
-        tasks = [MergeTask(f, plan.header, plan.size, tuple(pieces.get(f, ()))) for f, plan in enumerate(layout.files)]
+        for f, plan in enumerate(layout.files):
+            tensors = tuple((layout.tensor_start[k], tuple(layout.specs[k].shape), element_size(layout.specs[k].dtype)) for k in keys[f])
+            tasks.append(MergeTask(f, plan.header, plan.size, tensors, MergeTask.encode(rows.get(f, []))))
     out: list[list[GatherTask | MergeTask]] = [[] for _ in plans]
     for task, rank in zip(tasks, assign([t.nbytes for t in tasks], own), strict=True):
         out[rank].append(task)

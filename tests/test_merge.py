@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Iterator
 
 import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 import pytest
 import torch
 
@@ -59,3 +60,33 @@ def test_merge_file_refuses_holes(staged_columns) -> None:
     with pytest.raises(RuntimeError, match=r"staged data jumps from byte 10 to 12; the save is inconsistent"):
         merge_file(fs, f"{root}/out", b"HEADER!!", 8 + len(data), pieces[:1])
     assert not fs.exists(f"{root}/out"), "a failed merge must not leave a truncated shard"
+
+
+class _RecordingMemoryFS(MemoryFileSystem):
+    """``memory://`` that records the block size of every file opened for reading."""
+
+    protocol = "recmemory"
+    block_sizes: list[int | None] = []
+
+    def _open(self, path, mode="rb", block_size=None, **kwargs):
+        if mode == "rb":
+            self.block_sizes.append(block_size)
+        return super()._open(path, mode, block_size=block_size, **kwargs)
+
+
+@pytest.mark.parametrize("ranks, block", [(2, 8 << 20), (64, 4 << 20), (3000, 256 << 10)])
+def test_read_blocks_of_all_open_staged_objects_stay_near_256_mib(ranks: int, block: int) -> None:
+    """A file merged from many ranks' staged objects keeps them all open: each one's read
+    block shrinks so that together they stay near 256 MiB (8 MiB each at most, 256 KiB at least)."""
+    fs = _RecordingMemoryFS()
+    root = f"/{uuid.uuid4().hex}"
+    full = torch.arange(ranks * 4, dtype=torch.int32).reshape(ranks, 4)
+    pieces = []
+    for r in range(ranks):  # one row each, row-sharded
+        fs.pipe_file(f"{root}/r{r}", full[r].numpy().tobytes())
+        pieces.append(StagedPiece(f"{root}/r{r}", 8, 0, (ranks, 4), (r, 0), (1, 4), 4))
+    _RecordingMemoryFS.block_sizes = []
+    merge_file(fs, f"{root}/out", b"HEADER!!", 8 + full.numel() * 4, pieces)
+    assert fs.cat_file(f"{root}/out") == b"HEADER!!" + full.numpy().tobytes()
+    assert _RecordingMemoryFS.block_sizes == [block] * ranks
+    fs.rm(root, recursive=True)
