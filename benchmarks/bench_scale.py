@@ -180,7 +180,8 @@ def calibrate_validate() -> float:
 
 def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings: dict[str, float] | None = None, done: PhaseDone | None = None) -> OurPlan:
     """The pure steps of ``HFStorageWriter.prepare_global_plan`` on DCP's global plan, for
-    ``mode`` ``"local"`` (direct positioned writes) or ``"s3"``: layout, placements, S3 parts, and
+    ``mode`` ``"local"`` (direct positioned writes), ``"s3"`` or ``"staged"`` (other object stores:
+    a merge task per file): layout, placements, S3 parts or merge tasks, and
     each rank's ``_RankPlan``, built as ``prepare_global_plan`` builds them; no I/O (the upload
     ids are fake). Steps mirror ``_adopt``; each is timed into ``timings``."""
     t: dict[str, float] = timings if timings is not None else {}
@@ -198,10 +199,13 @@ def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings
         uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
         with _timed(t, "tasks", done):
             tasks = _plan_tasks(layout, mode, plans, placements, s3_parts, lambda name, rank: f"bucket/run/{name}.rank{rank:05d}")
+    elif mode == "staged":
+        with _timed(t, "tasks", done):
+            tasks = _plan_tasks(layout, mode, plans, placements, None, lambda name, rank: f"bucket/run/{name}.rank{rank:05d}")
     with _timed(t, "rank_plans", done):
         rank_plans = _rank_plans(layout, plans, placements, s3_parts, uploads, tasks, direct=mode == "local")
     with _timed(t, "record", done):
-        SaveRecord("0" * 32, "direct" if mode == "local" else "s3", len(plans), tuple((f.name, f.header) for f in layout.files), uploads).encode()
+        SaveRecord("0" * 32, "direct" if mode == "local" else mode, len(plans), tuple((f.name, f.header) for f in layout.files), uploads).encode()
     return OurPlan(layout, placements, s3_parts, uploads, rank_plans, t)
 
 
@@ -556,7 +560,7 @@ def _case_name(spec: Mapping[str, Any]) -> str:
 def save_tables(runs: Sequence[Mapping[str, Any]], modes: Sequence[str]) -> list[str]:
     """Markdown: the coordinator's time per phase, DCP's and ours, and its peak memory."""
     lines = [
-        "| case | write items (after dedup) | mode | DCP: gather | dedup | global plan | validate | ours: specs | layout | place | S3 parts | S3 gather tasks | rank plans | ours total | ours µs/item | DCP: scatter pickling | GC share | coordinator peak RSS |",
+        "| case | write items (after dedup) | mode | DCP: gather | dedup | global plan | validate | ours: specs | layout | place | S3 parts | gather / merge tasks | rank plans | ours total | ours µs/item | DCP: scatter pickling | GC share | coordinator peak RSS |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
@@ -587,7 +591,7 @@ def _save_cells(run: Mapping[str, Any], mode: str) -> list[str]:
         *(f"{sec(n):.2f} s" for n in ("gather", "dedup", "global_plan")), validate,
         *(f"{sec(f'{mode}.{n}'):.2f} s" for n in ("specs", "layout", "place")),
         f"{sec(f'{mode}.s3_parts'):.2f} s" if mode == "s3" else "-",
-        f"{sec(f'{mode}.tasks'):.2f} s" if mode == "s3" else "-",
+        f"{sec(f'{mode}.tasks'):.2f} s" if mode in ("s3", "staged") else "-",
         f"{sec(f'{mode}.rank_plans') + sec(f'{mode}.record'):.2f} s",
         f"**{ours:.2f} s**", f"{ours / res['items_after_dedup'] * 1e6:.1f}", f"{sec(f'{mode}.scatter'):.2f} s",
         f"{gc_share:.0%}", _fmt_bytes(max(res[mode]["peak_mib"], res["dcp_peak_mib"]) * MiB),
@@ -596,21 +600,21 @@ def _save_cells(run: Mapping[str, Any], mode: str) -> list[str]:
 
 def size_tables(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [
-        "| case | files | index + headers | local plan sent per rank (max) | gather buffer (DCP) | our key order, added to each plan sent | storage_data per rank, local (max / mean) | storage_data per rank, S3 (max / mean) | final plan per rank (max) | scatter buffer (DCP) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | files | index + headers | local plan sent per rank (max) | gather buffer (DCP) | our key order, added to each plan sent | storage_data per rank, local (max / mean) | storage_data per rank, S3 (max / mean) | storage_data per rank, staged (max / mean) | final plan per rank (max) | scatter buffer (DCP) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
         res = run.get("result")
         if res is None:
             continue
-        loc, s3 = res.get("local"), res.get("s3")
+        loc, s3, staged = res.get("local"), res.get("s3"), res.get("staged")
         sd = lambda m: f"{_fmt_bytes(m['storage_data_bytes_max'])} / {_fmt_bytes(m['storage_data_bytes_mean'])}" if m else "-"  # noqa: E731
-        final = max((m["plan_bytes_max"] for m in (loc, s3) if m), default=0)
-        scatter = max((m["scatter_buffer_bytes"] for m in (loc, s3) if m), default=0)
+        final = max((m["plan_bytes_max"] for m in (loc, s3, staged) if m), default=0)
+        scatter = max((m["scatter_buffer_bytes"] for m in (loc, s3, staged) if m), default=0)
         lines.append(
             f"| {_case_name(run['spec'])} | {res['files']} | {_fmt_bytes(res['index_bytes'])} + {_fmt_bytes(res['headers_bytes'])} | "
             f"{_fmt_bytes(res['local_plan_bytes_max'])} | {_fmt_bytes(res['gather_buffer_bytes'])} | {_fmt_bytes(res['key_order_bytes'])} | "
-            f"{sd(loc)} | {sd(s3)} | {_fmt_bytes(final)} | {_fmt_bytes(scatter)} |"
+            f"{sd(loc)} | {sd(s3)} | {sd(staged)} | {_fmt_bytes(final)} | {_fmt_bytes(scatter)} |"
         )
     return lines
 
@@ -650,7 +654,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="8B:64,8B:1024,70B:1024,405B:8192", help="MODEL:RANKS,... (models: 8B, 70B, 405B)")
     ap.add_argument("--tp", default="1,8", help="tensor-parallel degrees; 1 is plain FSDP")
-    ap.add_argument("--mode", default="local,s3", help="local (direct writes) and/or s3 (multipart parts)")
+    ap.add_argument("--mode", default="local,s3", help="local (direct writes), s3 (multipart parts), staged (other object stores: merge tasks)")
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds of coordinator work per case")
     ap.add_argument("--sim-timeout", type=float, default=900.0, help="seconds for simulating the ranks' local plans")
