@@ -19,25 +19,24 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from _data import assert_same, folder_bytes, random_tensor, seed_of
 from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
-from hf_dcp_storage._s3parts import GatherPart
-from hf_dcp_storage._spread import GatherTask, MergeTask, assign
 from hf_dcp_storage._layout import chunk_runs, collect_tensor_specs, parse_size, place_items, plan_layout
-from hf_dcp_storage._s3parts import RankPart, route_run
+from hf_dcp_storage._s3parts import GatherPart, RankPart, route_run
+from hf_dcp_storage._spread import GatherTask, MergeTask, assign
 from hf_dcp_storage.writer import _in_write_order, _plan_s3_parts, _plan_tasks
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
 from bench_scale import bytes_per_rank, dcp_global_plan, plan_ours  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
-# One layer of a 1B-class model over 64 ranks: every rank's run of every tensor is under 5 MiB,
-# so on S3 every byte is gathered (the 1,000-rank situation, small enough for a unit test).
+# One layer of a 1B-class model over 64 ranks: every rank's run of a weight is under 5 MiB, so
+# on S3 nearly every byte is gathered (the 1,000-rank situation, small enough for a unit test).
 SMALL_RUNS = LlamaConfig(layers=1, hidden=2048, intermediate=5632, kv_dim=256, vocab=32000)
 
 
