@@ -338,7 +338,7 @@ def complete_file(
     parts: Sequence[RankPart | GatherPart],
     etags: Sequence[dict[str, Any]],
     gathered_by_ranks: Collection[int],
-    sources: Callable[[GatherPart], tuple[Source, ...]],
+    sources: Callable[[GatherPart], Sequence[Source]],
     staged_path: Callable[[int], str],
     *,
     threads: int,
