@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _fsio
@@ -52,6 +53,11 @@ class CheckpointManager:
         storage_options: passed to fsspec.
         max_shard_size, thread_count, retry: passed to ``HFStorageWriter`` / ``HFStorageReader``.
         overwrite: let ``save`` replace a complete step of the same number (else refused).
+        reuse_staging: with ``save(..., async_save=True)``, keep the host copy of the tensors
+            that an async save stages and copy into it again at the next save, instead of
+            allocating a fresh copy each time (DCP's default): less time blocked from the
+            second save on, at the price of holding that copy (pinned when CUDA is present)
+            between saves. Free it with ``close()``, or use the manager in a ``with`` block.
 
     Raises:
         ValueError: a bad retention setting, naming it.
@@ -68,6 +74,7 @@ class CheckpointManager:
         thread_count: int = 4,
         retry: RetryPolicy | None = None,
         overwrite: bool = False,
+        reuse_staging: bool = False,
     ) -> None:
         self.policy = RetentionPolicy(keep_last_n, keep_every)
         self.storage_options = storage_options
@@ -79,6 +86,27 @@ class CheckpointManager:
         self._in_flight: tuple[int, Future[int]] | None = None
         self._async_groups: tuple[Any, Any] | None = None
         self._control_group: Any = None
+        self.reuse_staging = reuse_staging
+        # (model, training state) stagers kept across async saves, with reuse_staging: one
+        # each, since the two saves stage different tensors. A save waits for the previous one
+        # (``save`` calls ``wait`` first), so a staged copy is never refilled while being written.
+        self._stagers: tuple[Any, Any] | None = None
+
+    def close(self) -> None:
+        """(all ranks) Wait for an async save in flight, then free the reused staging copies.
+        The manager can still save afterwards (a new copy is made at the next async save)."""
+        try:
+            self.wait()
+        finally:
+            stagers, self._stagers = self._stagers, None
+            for stager in stagers or ():
+                stager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -169,9 +197,10 @@ class CheckpointManager:
         # Each background save gets a process group of its own: collectives of two threads, or
         # of a thread and the training loop, must never share one.
         groups = self._groups()
-        pending = [_upload_future(dcp.async_save(dict(model_state_dict), storage_writer=model_writer, process_group=groups[0]))]
+        stagers = self._reused_stagers()
+        pending = [_upload_future(dcp.async_save(dict(model_state_dict), storage_writer=model_writer, process_group=groups[0], async_stager=stagers[0]))]
         if state_writer is not None:
-            pending.append(_upload_future(dcp.async_save(tensors, storage_writer=state_writer, process_group=groups[1])))
+            pending.append(_upload_future(dcp.async_save(tensors, storage_writer=state_writer, process_group=groups[1], async_stager=stagers[1])))
         done: Future[int] = Future()
 
         def finish() -> None:
@@ -291,6 +320,18 @@ class CheckpointManager:
     def _commit(self, step: int) -> None:
         marker = {"step": step, "world_size": self._world, "saved_at": time.time(), "format": 1}
         _fsio.write_atomic(self.fs, _fsio.join(self.root, step_name(step), COMMIT_MARKER), json.dumps(marker).encode())
+
+    def _reused_stagers(self) -> tuple[Any, Any]:
+        """The stagers async saves use: DCP's default (``None``: a fresh copy per save), or with
+        ``reuse_staging`` two kept ``DefaultStager``s that copy in the caller's thread (the save
+        returns once the copy is done, as with DCP's default)."""
+        if not self.reuse_staging:
+            return None, None
+        if self._stagers is None:
+            cuda = torch.cuda.is_available()
+            options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+            self._stagers = (DefaultStager(options), DefaultStager(options))
+        return self._stagers
 
     def _groups(self) -> tuple[Any, Any]:
         if self._async_groups is None:

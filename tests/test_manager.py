@@ -176,6 +176,38 @@ def test_async_save_commits_after_the_write_and_snapshots_the_tensors(tmp_path) 
     assert mgr.all_checkpoints() == [2]
 
 
+def test_reused_staging_copy_keeps_each_step_its_own_values(tmp_path) -> None:
+    """With ``reuse_staging`` every async save refills the one host copy made at the first: each
+    step still holds the values it had when saved (the next save waits for the previous one
+    before refilling), and ``close`` frees the copy without ending the manager."""
+    sd = _model(1)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    with CheckpointManager(str(tmp_path / "run"), keep_last_n=5, reuse_staging=True) as mgr:
+        stagers = None
+        for step in (1, 2, 3):
+            expected[step] = {k: v.clone() for k, v in sd.items()}
+            mgr.save(step, sd, async_save=True)
+            stagers = stagers or mgr._stagers
+            assert stagers is not None and mgr._stagers is stagers  # one copy, refilled
+            for t in sd.values():
+                t.add_(100)  # training right after the call: must not leak into this step
+            for k, t in sd.items():
+                t.copy_(expected[step][k] + 1)  # the next step's values
+        mgr.wait()
+        for step in (1, 2, 3):
+            out = _model(0)
+            mgr.load(out, step=step)
+            for k, v in expected[step].items():
+                assert_same(out[k], v, f"step {step}: {k}")
+        mgr.close()
+        assert mgr._stagers is None
+        mgr.save(4, _model(4), async_save=True)  # a fresh copy after close
+    assert mgr._stagers is None  # the with block closed it again
+    out = _model(0)
+    assert CheckpointManager(str(tmp_path / "run")).load(out) == 4
+    assert_same(out["model.norm.weight"], _model(4)["model.norm.weight"], "step 4")
+
+
 # -- two ranks, FSDP2 ------------------------------------------------------------------------------
 
 
