@@ -17,7 +17,8 @@ side (``cuda``: the tensors on the GPUs; ``cpu``: the same values on CPU DTensor
   device-to-host staging) and the time until the checkpoint is complete; its files must be
   byte-identical to the synchronous save's;
 * (the device side only) ``CheckpointManager`` saves a step with a training-state tensor on the
-  device and resumes it: its own collectives on this backend.
+  device and resumes it: its own collectives on this backend; then two async saves with
+  ``reuse_staging`` (one kept, pinned host copy refilled) and a resume.
 
 Prints a markdown table and writes ``gpu_check.json`` and ``gpu_check.md`` to ``--out``
 (default ``$OUT`` when set, else ``./gpu_check_out``). Exits non-zero on any mismatch.
@@ -147,6 +148,14 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
             if mgr.load({first: _state_dict(spec[:1], mesh, fill=False)[first]}, training_state=restored) != 7 or restored["step"] != 7:
                 failures.append(f"{side} manager: resumed step {restored['step']}")
             failures += [f"{side} manager: {k}" for k in _same({"m": sd[first]}, {"m": restored["moment"]})]
+            # Async saves refilling one kept host copy (pinned, non-blocking copies on CUDA).
+            with CheckpointManager(root / f"{side}_reuse", keep_last_n=2, reuse_staging=True) as reuse:
+                for step in (8, 9):
+                    reuse.save(step, {first: sd[first]}, async_save=True)
+                back = {first: _state_dict(spec[:1], mesh, fill=False)[first]}
+                if reuse.load(back) != 9:
+                    failures.append(f"{side} manager reuse_staging: did not resume step 9")
+                failures += [f"{side} manager reuse_staging: {k}" for k in _same({first: sd[first]}, back)]
         results[side] = out
         sd = {}
     gathered: list[Any] = [None] * world
