@@ -198,10 +198,10 @@ def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings
             s3_parts = _plan_s3_parts(layout, plans, placements)
         uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
         with _timed(t, "tasks", done):
-            tasks = _plan_tasks(layout, mode, plans, placements, s3_parts, lambda name, rank: f"bucket/run/{name}.rank{rank:05d}")
+            tasks = _plan_tasks(layout, mode, plans, placements, s3_parts)
     elif mode == "staged":
         with _timed(t, "tasks", done):
-            tasks = _plan_tasks(layout, mode, plans, placements, None, lambda name, rank: f"bucket/run/{name}.rank{rank:05d}")
+            tasks = _plan_tasks(layout, mode, plans, placements, None)
     with _timed(t, "rank_plans", done):
         rank_plans = _rank_plans(layout, plans, placements, s3_parts, uploads, tasks, direct=mode == "local")
     with _timed(t, "record", done):

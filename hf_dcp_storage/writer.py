@@ -342,7 +342,7 @@ class HFStorageWriter(StorageWriter):
             direct = self._direct_mode()
             mode = "direct" if direct else "s3" if self._s3 is not None else "staged"
             placements = self._adopt(layout, mode, plans)
-            tasks = _plan_tasks(layout, mode, plans, placements, self._s3_parts, lambda name, rank: self._staged_path(name, rank))
+            tasks = _plan_tasks(layout, mode, plans, placements, self._s3_parts)
         # Step 2: I/O on the destination, still before any rank writes data.
         self._prepare_destination(layout, direct)
         if self._s3_parts is not None:
@@ -927,7 +927,6 @@ def _plan_tasks(
     plans: list[SavePlan],
     placements: list[dict[MetadataIndex, Placement]],
     s3_parts: list[list[RankPart | GatherPart]] | None,
-    staged_path: Callable[[str, int], str],
 ) -> list[list[GatherTask | MergeTask]] | None:
     """(coordinator) The finishing work of a save on an object store, spread over its ranks by
     bytes (``_spread.assign``): on S3 each gathered part, elsewhere each file to merge, given to

@@ -93,7 +93,7 @@ def test_every_gathered_s3_part_is_given_to_one_rank_and_the_bytes_are_balanced(
 def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> None:
     writer, global_plan = _object_plans(16)
     ours = plan_ours(writer, global_plan, "local")  # layout and placements; tasks planned below
-    tasks = _plan_tasks(ours.layout, "staged", global_plan, ours.placements, None, lambda name, rank: f"{name}.rank{rank:05d}")
+    tasks = _plan_tasks(ours.layout, "staged", global_plan, ours.placements, None)
     merges = sorted((t for ts in tasks for t in ts), key=lambda t: t.file)
     assert [t.file for t in merges] == list(range(len(ours.layout.files)))
     for t in merges:
@@ -102,7 +102,7 @@ def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> 
         assert (t.header, t.nbytes) == (plan.header, plan.size)
         assert sum(p.itemsize * torch.Size(p.sizes).numel() for p in t.pieces(str)) == plan.size - len(plan.header)
     assert len([ts for ts in tasks if ts]) == min(16, len(ours.layout.files))  # one file each while ranks last
-    assert _plan_tasks(ours.layout, "direct", global_plan, ours.placements, None, str) is None
+    assert _plan_tasks(ours.layout, "direct", global_plan, ours.placements, None) is None
 
 
 def _item(key: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:
@@ -158,7 +158,7 @@ def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make, fa
                 for at, take, part in route_run(place.tensor_start + t, n, [p.start for p in own], own):
                     if part is None:
                         staged.setdefault((place.file, rank), bytearray()).extend(chunk[c + at - place.tensor_start - t : c + at - place.tensor_start - t + take])
-    tasks = [t for ts in _plan_tasks(layout, "s3", plans, placements, s3_parts, str) for t in ts]
+    tasks = [t for ts in _plan_tasks(layout, "s3", plans, placements, s3_parts) for t in ts]
     gathers = {(f, p.number): p for f, parts in enumerate(s3_parts) for p in parts if isinstance(p, GatherPart)}
     assert sorted((t.file, t.number) for t in tasks) == sorted(gathers) and len(tasks) >= 3
     for task in tasks:
