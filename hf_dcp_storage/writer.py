@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _fsio
+from . import _arrival, _fsio
 from ._compact import LocalChunks, TablePlan, check_and_dedup, encode_local, gather, table_plans, xor_shares
 from ._crc import CrcAccumulator
 from ._header import dtype_name
@@ -50,7 +50,6 @@ from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quie
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from ._slabs import as_bytes, slab_bounds, sub_chunk
 from ._spread import GatherTask, MergeTask, assign, gather_sources, gather_tasks
-from . import _arrival
 from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
