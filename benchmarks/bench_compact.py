@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib  # noqa: E402
+from bench_scale import _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib, report  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
@@ -190,12 +190,7 @@ def main() -> None:
                 run["error"] = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
             print(json.dumps(run), flush=True)
             runs.append(run)
-    text = "\n".join(table(runs)) + "\n"
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text("\n".join(json.dumps(r) for r in runs) + "\n")
-    if args.md_out:
-        Path(args.md_out).write_text(text)
+    report(table(runs), runs, args.json_out, args.md_out)
 
 
 if __name__ == "__main__":

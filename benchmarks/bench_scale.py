@@ -678,12 +678,18 @@ def main() -> None:
             print(f"{_case_name(spec)}:", flush=True)
             run = _run_child(spec, args.timeout, args.sim_timeout, args.mem_cap_gib)
             runs.append(run)
-    text = "\n".join(["## Coordinator time and memory", "", *save_tables(runs, modes), "", "## Sizes", "", *size_tables(runs), "", "## Balance, S3 requests, load planning", "", *balance_tables(runs)]) + "\n"
+    lines = ["## Coordinator time and memory", "", *save_tables(runs, modes), "", "## Sizes", "", *size_tables(runs), "", "## Balance, S3 requests, load planning", "", *balance_tables(runs)]
+    report(lines, runs, args.json_out, args.md_out)
+
+
+def report(lines: Sequence[str], runs: Sequence[Mapping[str, Any]], json_out: str | None, md_out: str | None) -> None:
+    """Print the tables; write them (``md_out``) and every case's JSON line (``json_out``) if asked."""
+    text = "\n".join(lines) + "\n"
     print(text)
-    if args.json_out:
-        Path(args.json_out).write_text("\n".join(json.dumps(r) for r in runs) + "\n")
-    if args.md_out:
-        Path(args.md_out).write_text(text)
+    if json_out:
+        Path(json_out).write_text("\n".join(json.dumps(r) for r in runs) + "\n")
+    if md_out:
+        Path(md_out).write_text(text)
 
 
 if __name__ == "__main__":
