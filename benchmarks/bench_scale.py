@@ -178,6 +178,13 @@ def calibrate_validate() -> float:
     return (time.perf_counter() - t) / validate_comparisons(global_plan)
 
 
+def object_plan_writer(max_shard_size: str) -> HFStorageWriter:
+    """A writer whose ``prepare_local_plan`` sends DCP's object plans, as S3 saves do (other
+    stores send compact plans: ``bench_compact.py``). Planning makes no request: the endpoint
+    is never contacted."""
+    return HFStorageWriter("s3://simulated/plans", storage_options={"anon": True, "endpoint_url": "http://127.0.0.1:9"}, max_shard_size=max_shard_size)
+
+
 def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings: dict[str, float] | None = None, done: PhaseDone | None = None) -> OurPlan:
     """The pure steps of ``HFStorageWriter.prepare_global_plan`` on DCP's global plan, for
     ``mode`` ``"local"`` (direct positioned writes), ``"s3"`` or ``"staged"`` (other object stores:
@@ -452,8 +459,7 @@ def run_case(spec: dict[str, Any]) -> None:
     cfg = LLAMA[spec["model"]] if spec["model"] in LLAMA else LlamaConfig(**spec["config"])
     shapes = llama_shapes(cfg)
     mesh = Mesh.of(spec["world"], spec["tp"])
-    # Object plans (staged mode): a local-disk writer would send compact plans (bench_compact.py).
-    writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"], direct_write=False)
+    writer = object_plan_writer(spec["max_shard_size"])
     runs = count_runs(shapes, mesh)
     modes = [m for m in spec["modes"] if m != "s3" or runs <= spec["max_runs"]]
     rep = _Reporter()

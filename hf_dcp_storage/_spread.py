@@ -14,17 +14,18 @@ after all ranks have staged (``_arrival.py``). Pure planning: no I/O.
 from __future__ import annotations
 
 import heapq
-import pickle
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from ._layout import Layout, element_size
 from ._merge import StagedPiece
+from ._placed import PlacedChunks
 from ._s3parts import GatherPart, RankPart
 
-__all__ = ["GatherTask", "MergeTask", "Source", "assign", "gather_tasks", "gather_sources"]
+__all__ = ["GatherTask", "MergeTask", "Source", "assign", "encode_chunk_rows", "merge_tasks", "gather_tasks", "gather_sources"]
 
 # One piece of a gathered part, in file order: literal bytes (the file's header, which the
 # coordinator knows), or ``(rank, offset, nbytes)``: a range of that rank's staged object.
@@ -76,27 +77,57 @@ def _decode_runs(data: bytes) -> np.ndarray:
 class MergeTask:
     """(other stores) Write file ``file`` whole (``nbytes``): ``header``, then every rank's
     staged chunks of it in output order. ``tensors``: ``(tensor_start, shape, itemsize)`` of each
-    key in the file; ``chunks``: zlib-compressed pickled rows ``(rank, tensor, staged_offset,
-    offsets, sizes)``, one per chunk (a file of a thousand ranks' shards holds tens of thousands;
-    their regular numbers compress several-fold)."""
+    key in the file; ``chunks``: zlib-compressed int64 rows ``(rank, tensor, staged_offset,
+    offsets, sizes)``, offsets and sizes zero-padded to ``width`` dims, one row per chunk (a file
+    of a thousand ranks' shards holds tens of thousands; their regular numbers compress
+    several-fold)."""
 
     file: int
     header: bytes
     nbytes: int
     tensors: tuple[tuple[int, tuple[int, ...], int], ...]
     chunks: bytes
-
-    @staticmethod
-    def encode(rows: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]) -> bytes:
-        return zlib.compress(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    width: int
 
     def pieces(self, staged_path: Callable[[int], str]) -> list[StagedPiece]:
         """The chunks as ``StagedPiece``s of the ranks' staged objects (``staged_path(rank)``)."""
+        rows = np.frombuffer(zlib.decompress(self.chunks), dtype=np.int64).reshape(-1, 3 + 2 * self.width)
         out = []
-        for rank, t, staged_offset, offsets, sizes in pickle.loads(zlib.decompress(self.chunks)):
+        for rank, t, staged_offset, *dims in rows.tolist():
             start, shape, itemsize = self.tensors[t]
+            nd = len(shape)
+            offsets, sizes = tuple(dims[:nd]), tuple(dims[self.width : self.width + nd])
             out.append(StagedPiece(staged_path(rank), start, staged_offset, shape, offsets, sizes, itemsize))
         return out
+
+
+def encode_chunk_rows(rank: np.ndarray, tensor: np.ndarray, staged: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> bytes:
+    """``MergeTask.chunks`` from one array per column (``offsets``/``sizes``: ``[n, width]``)."""
+    rows = np.concatenate((np.stack((rank, tensor, staged), axis=1), offsets, sizes), axis=1)
+    return zlib.compress(np.ascontiguousarray(rows, dtype=np.int64).tobytes(), 1)
+
+
+def merge_tasks(placed: PlacedChunks, layout: Layout) -> list[MergeTask]:
+    """(coordinator, stores without positioned writes) One task per file of ``layout``: its
+    chunks, each fully staged by its rank (``placed.staged``). Pure; numpy over the chunks."""
+    by_file = np.argsort(placed.file.astype(np.int16 if len(layout.files) < 2**15 else np.int64), kind="stable")
+    bounds = np.searchsorted(placed.file[by_file], np.arange(len(layout.files) + 1))
+    # Each key's position among its file's tensors (the MergeTask's ``tensors``).
+    keys = list(layout.specs)
+    key_index = {k: i for i, k in enumerate(keys)}
+    in_file = np.zeros(len(keys), dtype=np.int64)
+    tasks = []
+    for f, plan in enumerate(layout.files):
+        tensors = []
+        for t, entry in enumerate(plan.entries):
+            spec = layout.specs[entry.name]
+            in_file[key_index[entry.name]] = t
+            tensors.append((layout.tensor_start[entry.name], tuple(spec.shape), element_size(spec.dtype)))
+        rows = by_file[bounds[f] : bounds[f + 1]]
+        key = placed.key[rows]
+        chunks = encode_chunk_rows(placed.rank[rows], in_file[key], placed.staged[rows], placed.offsets[rows], placed.sizes[rows])
+        tasks.append(MergeTask(f, plan.header, plan.size, tuple(tensors), chunks, placed.offsets.shape[1]))
+    return tasks
 
 
 def assign(sizes: Sequence[int], load: Sequence[int]) -> list[int]:

@@ -49,7 +49,8 @@ from ._retry import RetryPolicy
 from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, gather_bytes, s3_for
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
 from ._slabs import as_bytes, slab_bounds, sub_chunk
-from ._spread import GatherTask, MergeTask, assign, gather_sources, gather_tasks
+from ._placed import place_chunks
+from ._spread import GatherTask, MergeTask, assign, encode_chunk_rows, gather_sources, gather_tasks, merge_tasks
 from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
@@ -299,7 +300,7 @@ class HFStorageWriter(StorageWriter):
             assert item.tensor_data is not None  # every non-BYTE_IO item carries tensor data
             dtype_name(item.tensor_data.properties.dtype, key=item.index.fqn)
         self._local = None
-        if self._direct_mode():
+        if self._compact_mode():
             self._local = (list(plan.items), encode_local(plan.items))
             planner_data = plan.planner_data
             if isinstance(planner_data, Mapping) and all(tuple(path) == (key,) for key, path in planner_data.items()):
@@ -313,6 +314,11 @@ class HFStorageWriter(StorageWriter):
     def _direct_mode(self) -> bool:
         """Positioned writes into the final files: the same answer on every rank."""
         return self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
+
+    def _compact_mode(self) -> bool:
+        """Compact plans (``_compact.py``): every store but S3, whose part planning still needs
+        every rank's write items. The same answer on every rank."""
+        return self._s3 is None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Plan the whole layout, then prepare the destination for writing."""
@@ -330,9 +336,10 @@ class HFStorageWriter(StorageWriter):
         if compact:
             if len(compact) != len(plans):
                 raise RuntimeError(f"{len(compact)} of {len(plans)} ranks sent compact plans; every rank must use the same HFStorageWriter options")
-            layout, tables = self._plan_compact(compact)
+            direct = self._direct_mode()
+            mode = "direct" if direct else "staged"
+            layout, tables, tasks = self._plan_compact(compact, mode)
             placements: list[dict[MetadataIndex, Placement]] = [{} for _ in plans]
-            direct, mode, tasks = True, "direct", None
         else:
             specs = collect_tensor_specs(plans, key_order=[p.storage_data or () for p in plans])
             layout = plan_layout(
@@ -357,14 +364,19 @@ class HFStorageWriter(StorageWriter):
         self._save_id, self._meets = save_id, _meets(tasks)
         return _rank_plans(plans, layout, save_id, direct, placements, self._s3_parts, self._uploads, tables, tasks)
 
-    def _plan_compact(self, chunks: list[LocalChunks]) -> tuple[Layout, list[TablePlan]]:
-        """(coordinator) The layout and each rank's table plan from compact local plans. No I/O."""
+    def _plan_compact(self, chunks: list[LocalChunks], mode: str) -> tuple[Layout, list[TablePlan], list[list[GatherTask | MergeTask]] | None]:
+        """(coordinator) The layout, each rank's table plan and, staged (``mode``), each rank's
+        files to merge, from compact local plans. No I/O."""
         g = gather(chunks)
         dedup = check_and_dedup(g)
         layout = plan_layout(g.specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping)
-        self._layout, self._direct, self._items, self._s3_parts, self._uploads = layout, True, {}, None, {}
+        self._layout, self._direct, self._items, self._s3_parts, self._uploads = layout, mode == "direct", {}, None, {}
         self._tables = (g.table_keys, g.table_of_rank)
-        return layout, table_plans(g, layout, dedup)
+        tasks = None
+        if mode == "staged":
+            placed = place_chunks(g, dedup, layout)
+            tasks = _assign_tasks(merge_tasks(placed, layout), placed.bytes_per_rank(len(chunks)).tolist())
+        return layout, table_plans(g, layout, dedup), tasks
 
     def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> list[dict[MetadataIndex, Placement]]:
         """(coordinator) Take ``layout`` and every rank's items as this save's plan, written in
@@ -509,7 +521,16 @@ class HFStorageWriter(StorageWriter):
             self._complete_s3(layout, results, finished)
         else:
             merged = {f for fin in finished.values() for f in fin.merged}
-            self._merge(layout, [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs], merged)
+            if self._tables is not None:
+                # Compact plans: the coordinator holds no write items to merge from; every file
+                # was a rank's task, done before that rank's results came back.
+                missing = [layout.files[f].name for f in range(len(layout.files)) if f not in merged]
+                if missing:
+                    raise RuntimeError(f"files {missing[:8]} were not merged by any rank; the checkpoint at {self.checkpoint_id!s} is not committed")
+                staged = []
+            else:
+                staged = [(r.index, rank, r.storage_data) for rank, rs in enumerate(results) for r in rs]
+            self._merge(layout, staged, merged)
         checksums = self._checksums(layout, results)
         if metadata is not None and self._tables is not None and not metadata.state_dict_metadata:
             # Compact plans left DCP's metadata empty; what dcp.save returns should describe the
@@ -946,19 +967,28 @@ def _plan_tasks(
     else:
         keys = [[e.name for e in plan.entries] for plan in layout.files]
         key_index = [{k: t for t, k in enumerate(ks)} for ks in keys]
-        rows: dict[int, list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]] = {}
+        width = max((len(s.shape) for s in layout.specs.values()), default=0)
+        rows: dict[int, list[list[int]]] = {}
         for (f, rank), file_items in sorted(written.items()):
             pos = 0
             # The rank streams its items in this order, so each one's offset in its staged object is known.
             for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
                 td = item.tensor_data
                 assert td is not None
-                rows.setdefault(f, []).append((rank, key_index[f][item.index.fqn], pos, tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
+                pad = [0] * (width - len(td.size))
+                rows.setdefault(f, []).append([rank, key_index[f][item.index.fqn], pos, *td.chunk.offsets, *pad, *td.chunk.sizes, *pad])
                 pos += _chunk_bytes(item)
         for f, plan in enumerate(layout.files):
             tensors = tuple((layout.tensor_start[k], tuple(layout.specs[k].shape), element_size(layout.specs[k].dtype)) for k in keys[f])
-            tasks.append(MergeTask(f, plan.header, plan.size, tensors, MergeTask.encode(rows.get(f, []))))
-    out: list[list[GatherTask | MergeTask]] = [[] for _ in plans]
+            a = np.array(rows.get(f, []), dtype=np.int64).reshape(-1, 3 + 2 * width)
+            chunks = encode_chunk_rows(a[:, 0], a[:, 1], a[:, 2], a[:, 3 : 3 + width], a[:, 3 + width :])
+            tasks.append(MergeTask(f, plan.header, plan.size, tensors, chunks, width))
+    return _assign_tasks(tasks, own)
+
+
+def _assign_tasks(tasks: list[GatherTask | MergeTask], own: list[int]) -> list[list[GatherTask | MergeTask]]:
+    """Each rank's tasks, spread by bytes (``_spread.assign``) over ranks already moving ``own``."""
+    out: list[list[GatherTask | MergeTask]] = [[] for _ in own]
     for task, rank in zip(tasks, assign([t.nbytes for t in tasks], own), strict=True):
         out[rank].append(task)
     return out

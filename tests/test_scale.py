@@ -26,7 +26,7 @@ from _dist import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, placements_for, rank_load_state_dict, rank_save_plan, shard_range  # noqa: E402
-from bench_scale import dcp_global_plan, plan_ours  # noqa: E402
+from bench_scale import dcp_global_plan, object_plan_writer, plan_ours  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 from hf_dcp_storage.writer import _RankPlan  # noqa: E402
@@ -85,21 +85,23 @@ def test_synthetic_plans_equal_dcp_plans_of_real_dtensors() -> None:
 def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, int, int]:
     """(best of 3 seconds of our coordinator planning, largest pickled storage_data, write items).
 
-    ``local``: compact plans, as a local-disk save gathers them (``_compact.py``); ``s3``: our
-    planning on DCP's deduplicated object plans."""
+    ``local``: compact plans, as a local-disk save gathers them (``_compact.py``); ``staged``:
+    the same on a store without positioned writes (with its merge tasks); ``s3``: our planning on
+    DCP's deduplicated object plans."""
     shapes = llama_shapes(cfg)
     mesh = Mesh.of(world, tp)
-    if mode == "local":
-        writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
+    if mode in ("local", "staged"):
+        writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB", direct_write=mode == "local")
         chunks = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data for r in range(world)]
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
-            layout, tables = writer._plan_compact(chunks)
+            layout, tables, _tasks = writer._plan_compact(chunks, "direct" if mode == "local" else "staged")
             best = min(best, time.perf_counter() - t)
+        # The layout part of each rank's plan (a merging rank also gets its file's chunks).
         sent = max(len(pickle.dumps(_RankPlan(r, "0" * 32, True, layout.names, {}, None, tables[r]))) for r in range(world))
         return best, sent, sum(len(c.rows) for c in chunks)
-    writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB", direct_write=False)
+    writer = object_plan_writer("256MB")
     plans = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)) for r in range(world)]
     global_plan, _ = dcp_global_plan(plans, {})
     best = float("inf")
@@ -113,7 +115,7 @@ def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, i
     return best, sent, sum(len(p.items) for p in global_plan)
 
 
-@pytest.mark.parametrize("tp, mode", [(1, "local"), (1, "s3"), (2, "local")], ids=["fsdp-local", "fsdp-s3", "fsdp_tp-local"])
+@pytest.mark.parametrize("tp, mode", [(1, "local"), (1, "staged"), (1, "s3"), (2, "local")], ids=["fsdp-local", "fsdp-staged", "fsdp-s3", "fsdp_tp-local"])
 def test_planning_stays_linear_in_ranks(tp: int, mode: str) -> None:
     t1, sent1, items1 = _measure(SCALING, 256, tp, mode)
     t4, sent4, items4 = _measure(SCALING, 1024, tp, mode)
@@ -123,7 +125,7 @@ def test_planning_stays_linear_in_ranks(tp: int, mode: str) -> None:
     assert sent4 <= 1.1 * sent1 + 1024, f"per-rank storage_data grew from {sent1} to {sent4} bytes with 4x the ranks"
 
 
-@pytest.mark.parametrize("mode", ["local", "s3"])
+@pytest.mark.parametrize("mode", ["local", "staged", "s3"])
 def test_planning_stays_linear_in_tensors(mode: str) -> None:
     few = LlamaConfig(4, SCALING.hidden, SCALING.intermediate, SCALING.kv_dim, SCALING.vocab)
     many = LlamaConfig(16, SCALING.hidden, SCALING.intermediate, SCALING.kv_dim, SCALING.vocab)

@@ -32,7 +32,7 @@ from hf_dcp_storage.writer import _in_write_order, _plan_s3_parts, _plan_tasks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import bytes_per_rank, dcp_global_plan, plan_ours  # noqa: E402
+from bench_scale import bytes_per_rank, dcp_global_plan, object_plan_writer, plan_ours  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 # One layer of a 1B-class model over 64 ranks: every rank's run of a weight is under 5 MiB, so
@@ -61,7 +61,7 @@ def test_assign_keeps_every_rank_within_one_task_of_the_others() -> None:
 
 
 def _object_plans(world: int):
-    writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB", direct_write=False)
+    writer = object_plan_writer("256MB")
     plans = [writer.prepare_local_plan(rank_save_plan(llama_shapes(SMALL_RUNS), Mesh(world), r)) for r in range(world)]
     global_plan, _ = dcp_global_plan(plans, {})
     return writer, global_plan

@@ -1,0 +1,102 @@
+"""Every written chunk of a save, placed in its output file, as arrays (coordinator side).
+
+Saves to stores without positioned writes need, per chunk, more than compact direct saves do:
+the file it lands in, where its first byte goes, and where it sits in its rank's staged object
+of that file, so that the ranks given the finishing work (``_spread``) can find every byte. At
+thousands of ranks there are millions of chunks, so this is numpy over one row per chunk, never
+a Python step per chunk.
+
+A rank writes (stages) its chunks of a file in output order: by the chunk's first byte in the
+file (``writer._in_write_order`` sorts the same way), so where each chunk starts in the rank's
+staged object follows from the sizes of its earlier chunks. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._compact import Dedup, GlobalChunks
+from ._layout import Layout, element_size
+
+__all__ = ["PlacedChunks", "place_chunks"]
+
+
+@dataclass(frozen=True)
+class PlacedChunks:
+    """The chunks that are written (one writer each), sorted by ``(rank, file, start)``: the
+    order each rank writes them.
+
+    Per chunk: ``rank``; ``key`` (index into ``specs`` of the ``GlobalChunks``); ``file``;
+    ``start``, the absolute offset of its first byte in the file; ``nbytes``; ``offsets`` and
+    ``sizes`` (zero-padded past the key's ndim); ``staged``, its offset in the rank's staged
+    object of the file when the rank stages all of it. Per key: ``shape`` (padded),
+    ``itemsize``, ``tensor_start`` and ``ndim``.
+    """
+
+    rank: np.ndarray
+    key: np.ndarray
+    file: np.ndarray
+    start: np.ndarray
+    nbytes: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    staged: np.ndarray
+    shape: np.ndarray
+    itemsize: np.ndarray
+    tensor_start: np.ndarray
+    ndim: np.ndarray
+
+    def bytes_per_rank(self, world: int) -> np.ndarray:
+        """Bytes each rank writes of its own."""
+        return np.bincount(self.rank, weights=self.nbytes, minlength=world).astype(np.int64)
+
+
+def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
+    """(coordinator) The chunks ``dedup`` keeps, placed by ``layout``; linear but for one sort
+    (of nearly sorted data: a rank lists its keys in layout order)."""
+    keep = np.ones(len(g.key), dtype=bool)
+    keep[dedup.dropped] = False
+    rows = np.flatnonzero(keep)
+    width = g.offsets.shape[1]
+    ndim = g.ndim
+    shape = np.zeros((len(g.specs), width), dtype=np.int64)
+    for k, spec in enumerate(g.specs):
+        shape[k, : len(spec.shape)] = spec.shape
+    # Row-major element strides of each key; zero past its ndim (padded offsets are zero too).
+    strides = np.zeros_like(shape)
+    for k, spec in enumerate(g.specs):
+        s = 1
+        for d in range(len(spec.shape) - 1, -1, -1):
+            strides[k, d] = s
+            s *= spec.shape[d]
+    itemsize = np.array([element_size(s.dtype) for s in g.specs], dtype=np.int64)
+    tensor_start = np.array([layout.tensor_start[s.key] for s in g.specs], dtype=np.int64)
+    file_of = np.array([layout.file_of[s.key] for s in g.specs], dtype=np.int64)
+    key, rank = g.key[rows], g.rank[rows]
+    offsets, sizes = g.offsets[rows], g.sizes[rows]
+    real = np.arange(width) < ndim[key][:, None]
+    nbytes = np.where(real, sizes, 1).prod(axis=1) * itemsize[key]
+    start = tensor_start[key] + (offsets * strides[key]).sum(axis=1) * itemsize[key]
+    file = file_of[key]
+    # Sort by (rank, file, start): one int64 sort key where it fits, else a lexsort.
+    file_base = np.concatenate(([0], np.cumsum([f.size for f in layout.files], dtype=np.int64)))
+    position = file_base[file] + start
+    span = int(file_base[-1]) + 1
+    if len(rows) and (int(rank.max()) + 1) * span < 2**62:
+        order = np.argsort(rank * span + position, kind="stable")
+    else:
+        order = np.lexsort((position, rank))
+    rank, key, file, start, nbytes = rank[order], key[order], file[order], start[order], nbytes[order]
+    offsets, sizes = offsets[order], sizes[order]
+    return PlacedChunks(rank, key, file, start, nbytes, offsets, sizes, _staged_offsets(rank, file, nbytes), shape, itemsize, tensor_start, ndim)
+
+
+def _staged_offsets(rank: np.ndarray, file: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums of ``nbytes`` within each run of equal ``(rank, file)``."""
+    before = np.cumsum(nbytes) - nbytes
+    new = np.ones(len(rank), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (file[1:] != file[:-1])
+    group_start = np.maximum.accumulate(np.where(new, np.arange(len(rank)), 0))
+    return before - before[group_start]
