@@ -52,14 +52,19 @@ from torch.distributed.checkpoint.storage import WriteResult
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib, report  # noqa: E402
+from bench_scale import _fake_upload_id, _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib, report, task_ranks  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
+from hf_dcp_storage._fsio import STREAM_PART_BYTES  # noqa: E402
 from hf_dcp_storage._layout import plan_layout  # noqa: E402
-from hf_dcp_storage.writer import _PACKED, _json_bytes, _RankPlan, _whole_tensors, _WrittenRows  # noqa: E402
+from hf_dcp_storage._placed import place_chunks  # noqa: E402
+from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
+from hf_dcp_storage.writer import _PACKED, _json_bytes, _plan_tasks, _RankPlan, _whole_tensors, _WrittenRows  # noqa: E402
+from hf_dcp_storage.writer import _rank_plans as writer_rank_plans  # noqa: E402
 
-PHASES = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "scatter", "results_gather", "checksums", "metadata", "index")
+PHASES = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter", "results_gather", "checksums", "metadata", "index")
+PLANNING = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter")
 
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +72,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     shapes = llama_shapes(LLAMA[spec["model"]])
     mesh = Mesh.of(spec["world"], spec["tp"])
     out: dict[str, Any] = {"tensors": len(shapes), "items": len(shapes) * mesh.size}
+    mode = spec.get("mode", "direct")
     writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"])
     t0 = time.perf_counter()
     blobs, local_s = [], 0.0
@@ -97,13 +103,23 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     dedup = timed("check_dedup", lambda: check_and_dedup(g))
     layout = timed("layout", lambda: plan_layout(g.specs, max_shard_bytes=writer.max_shard_bytes))
     tables = timed("table_plans", lambda: table_plans(g, layout, dedup))
-    names = layout.names
+    # Stores without positioned writes: the chunks placed (staged offsets), then S3's parts and
+    # gathering tasks or each file's merge task, spread over the ranks.
+    placed = timed("place", lambda: place_chunks(g, dedup, layout) if mode != "direct" else None)
+    s3, tasks = timed("tasks", lambda: _plan_tasks(layout, mode, placed, mesh.size))
+    s3_parts = s3.parts if s3 is not None else None
+    uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1} if s3_parts is not None else {}
 
-    def scatter() -> list[int]:
-        return [len(pickle.dumps(SavePlan([], storage_data=_RankPlan(r, "0" * 32, True, names, {}, None, tables[r])))) for r in range(mesh.size)]
+    def scatter() -> list[bytes]:
+        plans = writer_rank_plans([SavePlan([]) for _ in range(mesh.size)], layout, "0" * 32, mode == "direct", [{}] * mesh.size, s3_parts, uploads, tables, tasks)
+        return [pickle.dumps(p) for p in plans]
 
-    final_sizes = timed("scatter", scatter)
-    storage_sizes = [len(pickle.dumps(_RankPlan(r, "0" * 32, True, names, {}, None, tables[r]))) for r in range(0, mesh.size, max(1, mesh.size // 64))]
+    final = timed("scatter", scatter)
+    final_sizes = [len(b) for b in final]
+    storage_sizes = [len(pickle.dumps(pickle.loads(final[r]).storage_data)) for r in range(0, mesh.size, max(1, mesh.size // 64))]
+    del final
+    if mode != "direct":
+        out["finishing"] = finishing_work(layout, placed, s3_parts, tasks, mesh.size)
     plans = global_plans = chunks = []  # freed before the finish phases, as DCP drops them
     # Finish: every rank's packed result (its kept items' table rows and CRC shares).
     rng = np.random.default_rng(0)
@@ -123,7 +139,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     written = dedup.bytes_per_rank
     out.update(
         phases=t,
-        planning_s=sum(t[p] for p in ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "scatter")),
+        planning_s=sum(t[p] for p in PLANNING),
         finish_s=sum(t[p] for p in ("results_gather", "checksums", "metadata", "index")),
         files=len(layout.files),
         index_bytes=len(index),
@@ -141,24 +157,89 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     # One rank unpacks its plan on the write side.
     writer._local = (keep_items, keep_local)
     s = time.perf_counter()
-    writer._unpack_table(_RankPlan(mesh.size - 1, "0" * 32, True, names, {}, None, tables[-1]))
+    writer._unpack_table(_RankPlan(mesh.size - 1, "0" * 32, True, layout.names, {}, None, tables[-1]))
     out["unpack_ms"] = (time.perf_counter() - s) * 1e3
     assert zlib.decompress(keep_local.table)  # the table the last rank sent decodes
     return out
 
 
+def finishing_work(layout: Any, placed: Any, s3_parts: Any, tasks: Any, world: int) -> dict[str, Any]:
+    """Who assembles what once every rank has staged: bytes per rank (its own, plus twice what
+    it gathers or merges: read, then written), and on S3 the parts and requests per rank (own
+    parts, its staged objects, and per gathering task one GET per rank it reads plus the upload)."""
+    written = placed.bytes_per_rank(world)
+    assembled = np.array([sum(t.nbytes - len(getattr(t, "head", b"")) for t in ts) for ts in tasks], dtype=np.int64)
+    moved = written + 2 * assembled
+    out: dict[str, Any] = {
+        "tasks": sum(len(ts) for ts in tasks),
+        "assembled_bytes": int(assembled.sum()),
+        "assembled_share": float(assembled.sum() / max(1, written.sum())),
+        "assembled_max": int(assembled.max()),
+        "assembled_by_coordinator": int(assembled[0]),
+        "assemblers": int((assembled > 0).sum()),
+        "moved_max_over_mean": float(moved.max() / moved.mean()),
+        "task_bytes_max": max(len(pickle.dumps(ts)) for ts in tasks),
+    }
+    if s3_parts is None:
+        return out
+    requests = np.ones(world, dtype=np.int64)  # the rank record
+    own = np.zeros((world, len(layout.files)), dtype=np.int64)
+    for f, parts in enumerate(s3_parts):
+        for p in parts:
+            if isinstance(p, RankPart):
+                requests[p.rank] += 1
+                own[p.rank, f] += p.nbytes
+    in_file = np.zeros((world, len(layout.files)), dtype=np.int64)
+    np.add.at(in_file, (placed.rank, placed.file), placed.nbytes)
+    staged = in_file - own
+    part = np.maximum(max(STREAM_PART_BYTES, MIN_PART_BYTES), -(-staged // MAX_PARTS))
+    requests += np.where(staged == 0, 0, np.where(staged < part, 1, 2 + -(-staged // part))).sum(axis=1)
+    for rank, ts in enumerate(tasks):
+        requests[rank] += sum(1 + len(task_ranks(t)) for t in ts)
+    out.update(
+        rank_parts=sum(isinstance(p, RankPart) for ps in s3_parts for p in ps),
+        gather_parts=sum(isinstance(p, GatherPart) for ps in s3_parts for p in ps),
+        requests_max=int(requests.max()),
+        requests_mean=float(requests.mean()),
+    )
+    return out
+
+
+def finishing_table(runs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| case | mode | parts: ranks' own / gathered | tasks | assembled (share of bytes) | busiest assembler | coordinator assembles | ranks assembling | bytes moved per rank max/mean | requests per rank max/mean | tasks per rank (pickled, max) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        r = run.get("result")
+        if r is None or "finishing" not in r:
+            continue
+        w = r["finishing"]
+        parts = f"{w['rank_parts']:,} / {w['gather_parts']:,}" if "rank_parts" in w else "(one merge per file)"
+        requests = f"{w['requests_max']:,} / {w['requests_mean']:,.0f}" if "requests_max" in w else ""
+        lines.append(
+            f"| {_case(run['spec'])} | {run['spec'].get('mode', 'direct')} | {parts} | {w['tasks']:,} | {_fmt_bytes(w['assembled_bytes'])} ({w['assembled_share']:.0%}) | "
+            f"{_fmt_bytes(w['assembled_max'])} | {_fmt_bytes(w['assembled_by_coordinator'])} | {w['assemblers']:,} | {w['moved_max_over_mean']:.3f} | {requests} | {_fmt_bytes(w['task_bytes_max'])} |"
+        )
+    return lines
+
+
+def _case(spec: dict[str, Any]) -> str:
+    mesh = f"{spec['world'] // spec['tp']}x{spec['tp']}" if spec["tp"] > 1 else str(spec["world"])
+    return f"{spec['model']} / {mesh}"
+
+
 def table(runs: list[dict[str, Any]]) -> list[str]:
-    head = "| case | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes | load (N/2 ranks): read_metadata, plan per rank | load plan: built / sent to DCP per rank |"
-    lines = [head, "|" + "---|" * 2 + "---:|" * (len(PHASES) + 9)]
+    head = "| case | mode | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes | load (N/2 ranks): read_metadata, plan per rank | load plan: built / sent to DCP per rank |"
+    lines = [head, "|" + "---|" * 3 + "---:|" * (len(PHASES) + 9)]
     for run in runs:
         spec, r = run["spec"], run.get("result")
-        mesh = f"{spec['world'] // spec['tp']}x{spec['tp']}" if spec["tp"] > 1 else str(spec["world"])
         if r is None:
-            lines.append(f"| {spec['model']} / {mesh} | {run['error']} |")
+            lines.append(f"| {_case(spec)} | {spec.get('mode', 'direct')} | {run['error']} |")
             continue
-        cells = [f"{r['phases'][p]:.2f}" for p in PHASES]
+        cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in PHASES]
         lines.append(
-            f"| {spec['model']} / {mesh} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
+            f"| {_case(spec)} | {spec.get('mode', 'direct')} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
             f"{_fmt_bytes(r['coordinator_peak_mib'] * 2**20)} (+{_fmt_bytes(r['gather_buffer_bytes'])}) | {_fmt_bytes(r['sent_bytes_max'])} | "
             f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | {r['written_max_over_mean']:.3f} | "
             f"{r['read_metadata_s'] * 1e3:.0f} ms, {r['load_plan_s'] * 1e3:.0f} ms | {_fmt_bytes(r['load_plan_bytes_max'])} / {_fmt_bytes(r['load_plan_sent_bytes_max'])} |"
@@ -171,6 +252,7 @@ def main() -> None:
     ap.add_argument("--cases", default="8B:1024,70B:1024,405B:1024,405B:8192", help="MODEL:RANKS,...")
     ap.add_argument("--tp", default="1,8")
     ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--mode", default="direct", help="direct (local disk), staged (stores without positioned writes), s3; comma-separated")
     ap.add_argument("--md-out")
     ap.add_argument("--json-out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -180,8 +262,8 @@ def main() -> None:
         return
     runs = []
     for model, world in _parse_cases(args.cases):
-        for tp in map(int, args.tp.split(",")):
-            spec = {"model": model, "world": world, "tp": tp, "max_shard_size": args.max_shard_size}
+        for tp, mode in ((tp, mode) for tp in map(int, args.tp.split(",")) for mode in args.mode.split(",")):
+            spec = {"model": model, "world": world, "tp": tp, "max_shard_size": args.max_shard_size, "mode": mode}
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
             run: dict[str, Any] = {"spec": spec}
             if proc.returncode == 0:
@@ -190,7 +272,7 @@ def main() -> None:
                 run["error"] = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
             print(json.dumps(run), flush=True)
             runs.append(run)
-    report(table(runs), runs, args.json_out, args.md_out)
+    report([*table(runs), "", *finishing_table(runs)], runs, args.json_out, args.md_out)
 
 
 if __name__ == "__main__":

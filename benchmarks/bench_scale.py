@@ -55,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -62,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import default_planner as _dcp_planner
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -78,7 +80,8 @@ from hf_dcp_storage._fsio import STREAM_PART_BYTES  # noqa: E402
 from hf_dcp_storage._layout import INDEX_NAME, Layout, collect_tensor_specs, element_size, place_items, plan_layout  # noqa: E402
 from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
 from hf_dcp_storage._staging import SaveRecord  # noqa: E402
-from hf_dcp_storage.writer import _json_bytes, _plan_s3_parts, _plan_tasks, _rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage._placed import place_items as place_written  # noqa: E402
+from hf_dcp_storage.writer import _json_bytes, _plan_tasks, _rank_plans as writer_rank_plans  # noqa: E402
 
 __all__ = ["OurPlan", "plan_ours", "dcp_global_plan", "dcp_validate", "validate_comparisons", "calibrate_validate", "bytes_per_rank", "s3_requests", "main"]
 
@@ -178,11 +181,12 @@ def calibrate_validate() -> float:
     return (time.perf_counter() - t) / validate_comparisons(global_plan)
 
 
-def object_plan_writer(max_shard_size: str) -> HFStorageWriter:
-    """A writer whose ``prepare_local_plan`` sends DCP's object plans, as S3 saves do (other
-    stores send compact plans: ``bench_compact.py``). Planning makes no request: the endpoint
-    is never contacted."""
-    return HFStorageWriter("s3://simulated/plans", storage_options={"anon": True, "endpoint_url": "http://127.0.0.1:9"}, max_shard_size=max_shard_size)
+def object_local_plan(plan: SavePlan) -> SavePlan:
+    """A rank's plan as DCP gathers it by default: its write items, with its keys in order as
+    storage data (what ``prepare_local_plan`` sent before compact plans). Saves now send compact
+    plans (``bench_compact.py``); finishing an interrupted save (``consolidate``) still plans
+    from items, rebuilt from the rank records."""
+    return dataclasses.replace(plan, storage_data=tuple(dict.fromkeys(item.index.fqn for item in plan.items)))
 
 
 def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings: dict[str, float] | None = None, done: PhaseDone | None = None) -> OurPlan:
@@ -200,15 +204,12 @@ def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings
         placements = place_items(layout, plans)
         _items = {item.index: item for plan in plans for item in plan.items}  # _adopt keeps this map for finish
     s3_parts, uploads, tasks = None, {}, None
-    if mode == "s3":
-        with _timed(t, "s3_parts", done):
-            s3_parts = _plan_s3_parts(layout, plans, placements)
-        uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
-        with _timed(t, "tasks", done):
-            tasks = _plan_tasks(layout, mode, plans, placements, s3_parts)
-    elif mode == "staged":
-        with _timed(t, "tasks", done):
-            tasks = _plan_tasks(layout, mode, plans, placements, None)
+    if mode in ("s3", "staged"):
+        with _timed(t, "tasks", done):  # parts (S3) and each rank's finishing tasks
+            s3, tasks = _plan_tasks(layout, mode, place_written(layout, plans), len(plans))
+        if s3 is not None:
+            s3_parts = s3.parts
+            uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
     with _timed(t, "rank_plans", done):
         rank_plans = _rank_plans(layout, plans, placements, s3_parts, uploads, tasks, direct=mode == "local")
     with _timed(t, "record", done):
@@ -263,7 +264,7 @@ def s3_requests(ours: OurPlan, written: Sequence[int]) -> dict[str, Any]:
             requests[rank] += 0 if staged == 0 else 1 if staged < part else 2 + -(-staged // part)
         for task in plan.storage_data.tasks:
             gathered[rank] += task.nbytes - len(task.head)
-            requests[rank] += 1 + len(task.base)  # a rank's runs in a part are one GET
+            requests[rank] += 1 + len(task_ranks(task))  # a rank's runs in a part are one GET
     total = sum(written)
     moved = [w + 2 * g for w, g in zip(written, gathered, strict=True)]
     return {
@@ -279,6 +280,16 @@ def s3_requests(ours: OurPlan, written: Sequence[int]) -> dict[str, Any]:
         "requests_per_rank_mean": sum(requests) / world,
         "coordinator_requests_min": coordinator + requests[0],
     }
+
+
+def task_ranks(task: Any) -> set[int]:
+    """The ranks whose staged objects a gathering task reads."""
+    ranks: set[int] = set()
+    if task.pieces:
+        ranks.update(np.frombuffer(zlib.decompress(task.pieces), dtype=np.int64)[0::4].tolist())
+    if task.strided:
+        ranks.update(np.frombuffer(zlib.decompress(task.strided), dtype=np.int64)[0 :: 3 + 2 * task.width].tolist())
+    return ranks
 
 
 def _sizes(values: Sequence[int]) -> dict[str, float]:
@@ -337,7 +348,7 @@ def _simulate_ranks(shapes: list[tuple[str, tuple[int, ...]]], mesh: Mesh, write
     for rank in range(mesh.size):
         plan = rank_save_plan(shapes, mesh, rank)
         t = time.perf_counter()
-        plan = writer.prepare_local_plan(plan)
+        plan = object_local_plan(plan)
         ours += time.perf_counter() - t
         blobs.append(pickle.dumps(plan))
     sizes = [len(b) for b in blobs]
@@ -459,7 +470,7 @@ def run_case(spec: dict[str, Any]) -> None:
     cfg = LLAMA[spec["model"]] if spec["model"] in LLAMA else LlamaConfig(**spec["config"])
     shapes = llama_shapes(cfg)
     mesh = Mesh.of(spec["world"], spec["tp"])
-    writer = object_plan_writer(spec["max_shard_size"])
+    writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"])
     runs = count_runs(shapes, mesh)
     modes = [m for m in spec["modes"] if m != "s3" or runs <= spec["max_runs"]]
     rep = _Reporter()

@@ -1,13 +1,14 @@
-"""Save plans as arrays, for saves whose ranks write their bytes in place (direct mode).
+"""Save plans as arrays: what every save's ranks send the coordinator instead of write items.
 
 DCP gathers every rank's write items on the coordinator as Python objects (about 2 KiB each,
 most of the gather spent in Python's garbage collector) and checks every pair of chunks of a
 tensor for overlap. At thousands of ranks that alone costs minutes and tens of GiB on the
-coordinator (``benchmarks/results/2026-11_scale-cpu-2core.md``). When each rank writes its own
-bytes in place, the coordinator needs nothing per chunk but a check that the chunks tile each
-tensor and a choice of writer for replicated chunks. So a rank sends its key table once,
-compressed, and its chunks as one integer array (:class:`LocalChunks`), keeps its write items to
-itself, and receives, per row of its table, where the key's data starts (:class:`TablePlan`).
+coordinator (``benchmarks/results/2026-11_scale-cpu-2core.md``). The coordinator needs, per
+chunk, only its key, offsets and sizes: to check that the chunks tile each tensor, to choose a
+writer for replicated chunks and, on stores without positioned writes, to place every chunk
+(``_placed.py``). So a rank sends its key table once, compressed, and its chunks as one integer
+array (:class:`LocalChunks`), keeps its write items to itself, and receives, per row of its
+table, where the key's data starts (:class:`TablePlan`).
 
 Pure: no I/O, no process group. The coordinator calls :func:`gather`, :func:`check_and_dedup`
 and :func:`table_plans`; each rank calls :func:`encode_local`.

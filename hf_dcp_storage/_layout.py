@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
@@ -33,6 +34,7 @@ __all__ = [
     "parse_size",
     "element_size",
     "chunk_runs",
+    "chunk_runs_array",
     "collect_tensor_specs",
     "plan_layout",
     "place_items",
@@ -180,6 +182,27 @@ def chunk_runs(
     for idx in _product(outer):
         yield base + sum(i * s for i, s in zip(idx, outer_strides, strict=True)), chunk_pos, run
         chunk_pos += run
+
+
+def chunk_runs_array(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``chunk_runs`` as arrays: ``(tensor_byte_offsets, chunk_byte_offsets, run_bytes)``, every
+    run being ``run_bytes`` long (int64 arrays, ascending; empty for an empty chunk)."""
+    ndim = len(shape)
+    if any(s == 0 for s in sizes):
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0
+    if ndim == 0:
+        return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), itemsize
+    k = ndim - 1
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    strides = [1] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    run = sizes[k] * strides[k] * itemsize
+    starts = np.array([sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize], dtype=np.int64)
+    for d in range(k):  # row-major over the outer dims: the runs' order
+        starts = (starts[:, None] + np.arange(sizes[d], dtype=np.int64) * (strides[d] * itemsize)).ravel()
+    return starts, np.arange(len(starts), dtype=np.int64) * run, run
 
 
 def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:

@@ -13,14 +13,16 @@ staged object follows from the sizes of its earlier chunks. Pure: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from torch.distributed.checkpoint.planner import SavePlan
 
-from ._compact import Dedup, GlobalChunks
+from ._compact import Dedup, GlobalChunks, encode_local, gather
 from ._layout import Layout, element_size
 
-__all__ = ["PlacedChunks", "place_chunks"]
+__all__ = ["PlacedChunks", "place_chunks", "place_items", "staged_offsets"]
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,14 @@ class PlacedChunks:
     """The chunks that are written (one writer each), sorted by ``(rank, file, start)``: the
     order each rank writes them.
 
-    Per chunk: ``rank``; ``key`` (index into ``specs`` of the ``GlobalChunks``); ``file``;
+    Per chunk: ``rank``; ``key`` (index into ``key_names``); ``file``;
     ``start``, the absolute offset of its first byte in the file; ``nbytes``; ``offsets`` and
     ``sizes`` (zero-padded past the key's ndim); ``staged``, its offset in the rank's staged
     object of the file when the rank stages all of it. Per key: ``shape`` (padded),
     ``itemsize``, ``tensor_start`` and ``ndim``.
     """
+
+    key_names: tuple[str, ...]
 
     rank: np.ndarray
     key: np.ndarray
@@ -90,10 +94,18 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
         order = np.lexsort((position, rank))
     rank, key, file, start, nbytes = rank[order], key[order], file[order], start[order], nbytes[order]
     offsets, sizes = offsets[order], sizes[order]
-    return PlacedChunks(rank, key, file, start, nbytes, offsets, sizes, _staged_offsets(rank, file, nbytes), shape, itemsize, tensor_start, ndim)
+    names = tuple(spec.key for spec in g.specs)
+    return PlacedChunks(names, rank, key, file, start, nbytes, offsets, sizes, staged_offsets(rank, file, nbytes), shape, itemsize, tensor_start, ndim)
 
 
-def _staged_offsets(rank: np.ndarray, file: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+def place_items(layout: Layout, plans: Sequence[SavePlan]) -> PlacedChunks:
+    """(coordinator) The same from each rank's write items, all of which are written (as a
+    save's rank records list them, when an interrupted save is finished)."""
+    g = gather([encode_local(plan.items) for plan in plans])
+    return place_chunks(g, Dedup(np.empty(0, dtype=np.int64), np.zeros(len(plans), dtype=np.int64)), layout)
+
+
+def staged_offsets(rank: np.ndarray, file: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """Exclusive prefix sums of ``nbytes`` within each run of equal ``(rank, file)``."""
     before = np.cumsum(nbytes) - nbytes
     new = np.ones(len(rank), dtype=bool)

@@ -18,8 +18,10 @@ staged byte is without being told, and can tell the rank that gathers it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 __all__ = [
     "MIN_PART_BYTES",
@@ -30,7 +32,6 @@ __all__ = [
     "GatherPart",
     "plan_file_parts",
     "route_run",
-    "StagedIndex",
 ]
 
 # S3's multipart rules: every part but the last holds 5 MiB to 5 GiB; at most 10,000 parts.
@@ -63,115 +64,93 @@ class RankPart:
 
 @dataclass(frozen=True)
 class GatherPart:
-    """Part ``number``, assembled by one rank from ``pieces`` ``(rank, start, end)`` of the
-    file (``rank`` ``None``: the header); the ranks staged those bytes."""
+    """Part ``number``: file bytes ``[start, end)`` (the header's among them, if ``start`` is 0),
+    staged by several ranks and assembled by one (``_spread.GatherTask``)."""
 
     number: int
-    pieces: tuple[tuple[int | None, int, int], ...]
+    start: int
+    end: int
 
     @property
     def nbytes(self) -> int:
-        return sum(e - s for _, s, e in self.pieces)
+        return self.end - self.start
 
 
 def plan_file_parts(
     header_len: int,
-    runs: Iterable[tuple[int, int, int]],
     size: int,
+    run_starts: np.ndarray,
+    run_bytes: np.ndarray,
+    run_ranks: np.ndarray,
     *,
     min_part: int = MIN_PART_BYTES,
     rank_part: int = RANK_PART_BYTES,
 ) -> list[RankPart | GatherPart]:
     """Cut a file of ``size`` bytes into multipart parts: ranks' own parts wherever a run allows.
 
-    ``runs`` are ``(start, rank, nbytes)`` in file order after a ``header_len``-byte header,
-    tiling the rest of the file. Adjacent runs of one rank are joined. A run of at least
-    ``min_part`` bytes becomes rank parts of about ``rank_part`` bytes; smaller runs are gathered
-    into parts of at least ``min_part`` bytes (but the last); a gathered part that holds one
-rank's bytes only (the header aside) is that rank's to send. Pure.
+    The runs (arrays, in file order after a ``header_len``-byte header, tiling the rest of the
+    file) are maximal: two neighbours never have the same rank; rank ``-1`` marks bytes of
+    several ranks interleaved (a column-sharded tensor), which are always gathered. A run of at
+    least ``min_part`` bytes becomes its rank's parts of about ``rank_part`` bytes; the bytes
+    between such runs are cut into gathered parts of at least ``min_part`` (but the file's last
+    part), evenly; a gap under ``min_part`` before a big run takes that run's first bytes to
+    reach it, or, if too little would be left, the whole run. A gathered part whose bytes (the
+    header aside) all belong to one rank is that rank's to send. Pure; a Python step per big
+    run and per part, numpy per run, so a file of a million small runs costs little.
 
     Raises:
         ValueError: the runs do not tile the file, or the file needs more than 10,000 parts.
     """
+    ends = run_starts + run_bytes
+    if len(run_starts) and (run_starts[0] != header_len or (run_starts[1:] != ends[:-1]).any() or ends[-1] != size):
+        raise ValueError(f"byte runs of a {size}-byte file with a {header_len}-byte header do not tile it")
+    if not len(run_starts) and size != header_len:
+        raise ValueError(f"no byte runs for the {size - header_len} data bytes of the file")
     # Both part sizes grow for a huge file so that each kind stays under half the part limit.
     rank_part = max(rank_part, 2 * min_part, -(-size // (MAX_PARTS // 2)))
     gather_target = max(min_part, -(-size // (MAX_PARTS // 2)))
-    parts: list[RankPart | GatherPart] = []
-    gather: list[tuple[int | None, int, int]] = [(None, 0, header_len)] if header_len else []
-    gathered = header_len
+    cuts: list[tuple[int, int, int, bool]] = []  # (start, end, rank or -1 gathered, header in front)
 
-    def flush() -> None:
-        nonlocal gather, gathered
-        ranks = {r for r, _, _ in gather if r is not None}
-        if len(ranks) == 1:
-            # One rank holds all of it (the header aside): that rank sends it, nothing is staged.
-            has_header = gather[0][0] is None
-            first = gather[1] if has_header else gather[0]
-            parts.append(RankPart(len(parts) + 1, ranks.pop(), first[1], gather[-1][2], header=has_header))
-        elif gather:
-            parts.append(GatherPart(len(parts) + 1, tuple(gather)))
-        gather, gathered = [], 0
+    def gather(a: int, b: int) -> None:
+        count = max(1, (b - a) // gather_target)
+        edges = [a + (b - a) * i // count for i in range(count + 1)]
+        cuts.extend((x, y, -1, False) for x, y in zip(edges, edges[1:]))
 
-    def add(rank: int, start: int, end: int) -> None:
-        nonlocal gathered
-        while start < end:  # long runs in pieces: a gathered part stays about gather_target
-            if gathered >= gather_target:  # a header alone can be that big
-                flush()
-            take = min(end - start, gather_target - gathered)
-            gather.append((rank, start, start + take))
-            gathered += take
-            start += take
-            if gathered >= gather_target:
-                flush()
-
-    for start, rank, n in _joined(header_len, runs, size):
-        end = start + n
-        if n < min_part:
-            add(rank, start, end)
-            continue
-        with_header = False
-        if gather == [(None, 0, header_len)]:
-            with_header, gather, gathered = True, [], 0  # the rank sends the header in front
-        elif gather and gathered < min_part:
-            need = min_part - gathered
+    pos = 0  # bytes before pos have their parts
+    for i in np.flatnonzero((run_bytes >= min_part) & (run_ranks >= 0)).tolist():
+        s, n, r = int(run_starts[i]), int(run_bytes[i]), int(run_ranks[i])
+        gap, head = s - pos, False
+        if gap and pos == 0 and gap == header_len:
+            head = True  # only the header before: the rank sends it in front of its bytes
+        elif gap >= min_part:
+            gather(pos, s)
+        elif gap:
+            need = min_part - gap
             if n - need < min_part:
-                add(rank, start, end)  # too little would be left for a part of its own
-                continue
-            gather.append((rank, start, start + need))
-            start += need
-            flush()
+                continue  # too little would be left for a part of its own: all gathered
+            cuts.append((pos, s + need, -1, False))
+            s, n = s + need, n - need
+        count = -(-n // rank_part)
+        edges = [s + n * j // count for j in range(count + 1)]
+        cuts.extend((x, y, r, head and j == 0) for j, (x, y) in enumerate(zip(edges, edges[1:])))
+        pos = int(ends[i])
+    if pos < size:
+        gather(pos, size)
+    if len(cuts) > MAX_PARTS:
+        raise ValueError(f"the file needs {len(cuts)} multipart parts, over S3's limit of {MAX_PARTS}; lower max_shard_size")
+    # A gathered part of one rank's bytes (the header aside): that rank sends it, nothing staged.
+    at = np.array([max(a, header_len) for a, _, r, _ in cuts], dtype=np.int64)
+    run = np.searchsorted(run_starts, at, side="right") - 1
+    parts: list[RankPart | GatherPart] = []
+    for j, (a, b, r, head) in enumerate(cuts):
+        i = int(run[j])
+        if r < 0 and at[j] < b and i >= 0 and run_ranks[i] >= 0 and ends[i] >= b:
+            parts.append(RankPart(j + 1, int(run_ranks[i]), int(at[j]), b, header=a == 0 and header_len > 0))
+        elif r < 0:
+            parts.append(GatherPart(j + 1, a, b))
         else:
-            flush()
-        count = -(-(end - start) // rank_part)
-        step = -(-(end - start) // count)
-        for s in range(start, end, step):
-            parts.append(RankPart(len(parts) + 1, rank, s, min(s + step, end), header=with_header and s == start))
-    flush()
-    if len(parts) > MAX_PARTS:
-        raise ValueError(f"the file needs {len(parts)} multipart parts, over S3's limit of {MAX_PARTS}; lower max_shard_size")
+            parts.append(RankPart(j + 1, r, a, b, header=head))
     return parts
-
-
-def _joined(header_len: int, runs: Iterable[tuple[int, int, int]], size: int) -> Iterator[tuple[int, int, int]]:
-    """Non-empty runs with adjacent runs of one rank joined; checks that they tile the file."""
-    pos = header_len
-    current: tuple[int, int, int] | None = None
-    for start, rank, n in runs:
-        if start != pos:
-            raise ValueError(f"byte runs jump from {pos} to {start}: they must tile the file after its header")
-        pos += n
-        if n == 0:
-            continue
-        if current is not None and current[1] == rank:
-            current = (current[0], rank, current[2] + n)
-            continue
-        if current is not None:
-            yield current
-        current = (start, rank, n)
-    if current is not None:
-        yield current
-    if pos != size:
-        raise ValueError(f"byte runs end at {pos}, but the file has {size} bytes")
 
 
 def route_run(start: int, n: int, part_starts: Sequence[int], parts: Sequence[RankPart]) -> Iterator[tuple[int, int, RankPart | None]]:
@@ -189,52 +168,3 @@ def route_run(start: int, n: int, part_starts: Sequence[int], parts: Sequence[Ra
             take = min(end, nxt) - start
             yield start, take, None
         start += take
-
-
-class StagedIndex:
-    """Where a rank's staged bytes of one file sit in its staged object (coordinator side).
-
-    Fed the rank's staged pieces ``(file_offset, nbytes)`` in the order the rank wrote them
-    (``route_run`` pieces with no part), it answers which staged-object ranges hold any file range.
-    """
-
-    def __init__(self) -> None:
-        self._pieces: list[tuple[int, int, int]] = []  # (file_offset, staged_offset, nbytes)
-        self._pos = 0
-        self._sorted = True
-
-    def add(self, file_offset: int, nbytes: int) -> None:
-        if self._pieces and file_offset < self._pieces[-1][0]:
-            self._sorted = False
-        self._pieces.append((file_offset, self._pos, nbytes))
-        self._pos += nbytes
-
-    @property
-    def nbytes(self) -> int:
-        return self._pos
-
-    def locate(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Staged ranges ``(staged_offset, nbytes)`` that hold file bytes ``[start, end)``, in order.
-
-        Raises:
-            RuntimeError: part of the range was never staged (an inconsistent save).
-        """
-        if not self._sorted:
-            self._pieces.sort()
-            self._sorted = True
-        out: list[tuple[int, int]] = []
-        i = max(bisect.bisect_right(self._pieces, (start, float("inf"), 0)) - 1, 0)
-        pos = start
-        while pos < end:
-            if i >= len(self._pieces) or not self._pieces[i][0] <= pos < self._pieces[i][0] + self._pieces[i][2]:
-                raise RuntimeError(f"file bytes {pos}..{end} were not staged by their rank; the save is inconsistent")
-            f, soff, n = self._pieces[i]
-            take = min(end, f + n) - pos
-            soff += pos - f
-            if out and out[-1][0] + out[-1][1] == soff:
-                out[-1] = (out[-1][0], out[-1][1] + take)
-            else:
-                out.append((soff, take))
-            pos += take
-            i += 1
-        return out

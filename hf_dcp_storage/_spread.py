@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._layout import Layout, element_size
+from ._layout import Layout, chunk_runs_array, element_size
 from ._merge import StagedPiece
 from ._placed import PlacedChunks
-from ._s3parts import GatherPart, RankPart
 
-__all__ = ["GatherTask", "MergeTask", "Source", "assign", "encode_chunk_rows", "merge_tasks", "gather_tasks", "gather_sources"]
+__all__ = ["GatherTask", "MergeTask", "Source", "assign", "encode_chunk_rows", "merge_tasks", "file_tensors"]
 
 # One piece of a gathered part, in file order: literal bytes (the file's header, which the
 # coordinator knows), or ``(rank, offset, nbytes)``: a range of that rank's staged object.
@@ -34,43 +33,62 @@ Source = bytes | tuple[int, int, int]
 
 @dataclass(frozen=True)
 class GatherTask:
-    """(S3) Assemble part ``number`` of file ``file`` and upload it (``nbytes`` bytes).
+    """(S3) Assemble part ``number`` of file ``file``, its bytes ``[start, end)``, and upload it.
 
-    The part holds, in order, ``head`` (the header's bytes in it, if any), then the byte runs
-    the ranks staged, in file order: ``runs``, zlib-compressed int64 pairs ``(rank, nbytes)``
-    (a column shard makes one run per row, in a pattern that compresses to almost nothing). A
-    rank stages its bytes of a file in file order, so its runs in one part lie back to back in
-    its staged object, from offset ``base[rank]``: one offset per rank, not one per run.
-    ``explicit``, when not empty, replaces all that with the part's sources as they are (a rank
-    holding several chunks of one tensor stages them chunk after chunk, not in file order).
+    ``head``: the header's bytes in it (the part starts at 0), which the coordinator knows.
+    The rest the ranks staged: ``pieces``, zlib-compressed int64 rows ``(rank, file_offset,
+    staged_offset, nbytes)`` of row-sharded chunks, and ``strided``, rows ``(rank, tensor,
+    staged_offset, offsets, sizes)`` (zero-padded to ``width`` dims; ``tensor`` indexes
+    ``tensors``, ``(tensor_start, shape, itemsize)`` of the file's keys) of column-sharded chunks,
+    each staged whole, whose rows in the part the gathering rank works out itself: one row per
+    chunk, not one per byte run.
     """
 
     file: int
     number: int
-    nbytes: int
+    start: int
+    end: int
     head: bytes = b""
-    runs: bytes = b""
-    base: tuple[tuple[int, int], ...] = ()
-    explicit: tuple[Source, ...] = ()
+    pieces: bytes = b""
+    strided: bytes = b""
+    tensors: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    width: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
 
     def sources(self) -> list[Source]:
-        """The part's bytes in order: literal bytes, or ``(rank, offset, nbytes)`` staged ranges."""
-        if self.explicit:
-            return list(self.explicit)
+        """The part's bytes in order: the header's, then ``(rank, offset, nbytes)`` staged ranges.
+
+        Raises:
+            RuntimeError: the staged ranges do not tile the part (an inconsistent plan).
+        """
+        lo, hi = self.start + len(self.head), self.end
+        cols: list[np.ndarray] = []  # (file_offset, rank, staged_offset, nbytes) blocks
+        if self.pieces:
+            p = np.frombuffer(zlib.decompress(self.pieces), dtype=np.int64).reshape(-1, 4)
+            cols.append(np.stack((p[:, 1], p[:, 0], p[:, 2], p[:, 3]), axis=1))
+        if self.strided:
+            rows = np.frombuffer(zlib.decompress(self.strided), dtype=np.int64).reshape(-1, 3 + 2 * self.width)
+            for rank, t, staged, *dims in rows.tolist():
+                tensor_start, shape, itemsize = self.tensors[t]
+                nd = len(shape)
+                t_off, c_off, run = chunk_runs_array(shape, dims[:nd], dims[self.width : self.width + nd], itemsize)
+                at = tensor_start + t_off
+                keep = (at < hi) & (at + run > lo)
+                at, c_off = at[keep], c_off[keep]
+                cut = np.maximum(lo - at, 0)  # a run that starts before the part
+                n = np.minimum(at + run, hi) - at - cut
+                cols.append(np.stack((at + cut, np.full(len(at), rank), staged + c_off + cut, n), axis=1))
+        ranges = np.concatenate(cols) if cols else np.empty((0, 4), dtype=np.int64)
+        ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
+        ends = ranges[:, 0] + ranges[:, 3]
+        if (len(ranges) == 0 and lo != hi) or (len(ranges) and (ranges[0, 0] != lo or ends[-1] != hi or (ranges[1:, 0] != ends[:-1]).any())):
+            raise RuntimeError(f"part {self.number} of file {self.file}: the staged ranges do not cover bytes {lo}..{hi} exactly; the plan is inconsistent")
         out: list[Source] = [self.head] if self.head else []
-        at = dict(self.base)
-        for rank, n in _decode_runs(self.runs).tolist():
-            out.append((rank, at[rank], n))
-            at[rank] += n
+        out.extend((r, s, n) for _, r, s, n in ranges.tolist())
         return out
-
-
-def _encode_runs(runs: np.ndarray) -> bytes:
-    return zlib.compress(np.ascontiguousarray(runs, dtype=np.int64).tobytes(), 1)
-
-
-def _decode_runs(data: bytes) -> np.ndarray:
-    return np.frombuffer(zlib.decompress(data), dtype=np.int64).reshape(-1, 2) if data else np.empty((0, 2), dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -112,22 +130,30 @@ def merge_tasks(placed: PlacedChunks, layout: Layout) -> list[MergeTask]:
     chunks, each fully staged by its rank (``placed.staged``). Pure; numpy over the chunks."""
     by_file = np.argsort(placed.file.astype(np.int16 if len(layout.files) < 2**15 else np.int64), kind="stable")
     bounds = np.searchsorted(placed.file[by_file], np.arange(len(layout.files) + 1))
-    # Each key's position among its file's tensors (the MergeTask's ``tensors``).
-    keys = list(layout.specs)
-    key_index = {k: i for i, k in enumerate(keys)}
-    in_file = np.zeros(len(keys), dtype=np.int64)
+    in_file, tensors = file_tensors(layout, placed.key_names)
     tasks = []
     for f, plan in enumerate(layout.files):
-        tensors = []
-        for t, entry in enumerate(plan.entries):
-            spec = layout.specs[entry.name]
-            in_file[key_index[entry.name]] = t
-            tensors.append((layout.tensor_start[entry.name], tuple(spec.shape), element_size(spec.dtype)))
         rows = by_file[bounds[f] : bounds[f + 1]]
         key = placed.key[rows]
         chunks = encode_chunk_rows(placed.rank[rows], in_file[key], placed.staged[rows], placed.offsets[rows], placed.sizes[rows])
-        tasks.append(MergeTask(f, plan.header, plan.size, tuple(tensors), chunks, placed.offsets.shape[1]))
+        tasks.append(MergeTask(f, plan.header, plan.size, tensors[f], chunks, placed.offsets.shape[1]))
     return tasks
+
+
+def file_tensors(layout: Layout, key_names: Sequence[str]) -> tuple[np.ndarray, list[tuple[tuple[int, tuple[int, ...], int], ...]]]:
+    """Each key's index among its file's tensors (keys as ``key_names`` orders them), and each
+    file's ``(tensor_start, shape, itemsize)`` per tensor: the ``tensors`` of its tasks."""
+    index = {k: i for i, k in enumerate(key_names)}
+    in_file = np.zeros(len(index), dtype=np.int64)
+    tensors = []
+    for plan in layout.files:
+        entries = []
+        for t, e in enumerate(plan.entries):
+            spec = layout.specs[e.name]
+            in_file[index[e.name]] = t
+            entries.append((layout.tensor_start[e.name], tuple(spec.shape), element_size(spec.dtype)))
+        tensors.append(tuple(entries))
+    return in_file, tensors
 
 
 def assign(sizes: Sequence[int], load: Sequence[int]) -> list[int]:
@@ -146,43 +172,3 @@ def assign(sizes: Sequence[int], load: Sequence[int]) -> list[int]:
         out[t] = rank
         heapq.heappush(heap, (bytes_so_far + 2 * sizes[t], rank))
     return out
-
-
-def gather_tasks(parts: Sequence[Sequence[RankPart | GatherPart]], headers: Sequence[bytes]) -> list[GatherTask]:
-    """A task for each gathered part of every file (``parts[f]``, in file order), given that every
-    rank stages its bytes of a file in file order (one chunk per tensor per rank: every DTensor
-    save). Pure."""
-    tasks = []
-    for f, file_parts in enumerate(parts):
-        staged: dict[int, int] = {}  # rank -> its bytes staged before the current part
-        for p in file_parts:
-            if not isinstance(p, GatherPart):
-                continue  # a rank's own part: none of its bytes are staged
-            pieces = p.pieces
-            head = b""
-            if pieces and pieces[0][0] is None:  # the header comes first, if at all
-                head, pieces = headers[f][pieces[0][1] : pieces[0][2]], pieces[1:]
-            arr = np.array(pieces, dtype=np.int64).reshape(-1, 3)
-            runs = np.stack([arr[:, 0], arr[:, 2] - arr[:, 1]], axis=1)
-            ranks, first, inverse = np.unique(runs[:, 0], return_index=True, return_inverse=True)
-            per_rank = np.bincount(inverse, weights=runs[:, 1], minlength=len(ranks)).astype(np.int64)
-            order = np.argsort(first)  # ranks in the order they first appear in the part
-            base = []
-            for rank, n in zip(ranks[order].tolist(), per_rank[order].tolist(), strict=True):
-                base.append((rank, staged.get(rank, 0)))
-                staged[rank] = staged.get(rank, 0) + n
-            tasks.append(GatherTask(f, p.number, p.nbytes, head, _encode_runs(runs), tuple(base)))
-    return tasks
-
-
-def gather_sources(part: GatherPart, header: bytes, locate: Callable[[int, int, int], list[tuple[int, int]]]) -> tuple[Source, ...]:
-    """Where the bytes of ``part`` sit, for stagings not in file order: header slices, and
-    ``(rank, offset, nbytes)`` ranges of the ranks' staged objects, from ``locate(rank, start,
-    end)`` (a ``StagedIndex`` lookup)."""
-    out: list[Source] = []
-    for rank, start, end in part.pieces:
-        if rank is None:
-            out.append(header[start:end])
-        else:
-            out.extend((rank, offset, n) for offset, n in locate(rank, start, end))
-    return tuple(out)

@@ -36,7 +36,6 @@ from ._layout import (
     Layout,
     Placement,
     chunk_runs,
-    collect_tensor_specs,
     element_size,
     parse_size,
     place_items,
@@ -47,10 +46,11 @@ from ._progress import NO_PROGRESS, Progress
 from ._merge import StagedPiece, merge_file
 from ._retry import RetryPolicy
 from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, gather_bytes, s3_for
-from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
+from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
+from ._s3plan import S3Plan, plan_s3
 from ._slabs import as_bytes, slab_bounds, sub_chunk
-from ._placed import place_chunks
-from ._spread import GatherTask, MergeTask, assign, encode_chunk_rows, gather_sources, gather_tasks, merge_tasks
+from ._placed import PlacedChunks, place_chunks, place_items as place_written
+from ._spread import GatherTask, MergeTask, assign, merge_tasks
 from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
@@ -106,6 +106,7 @@ class _WrittenRows:
 
     rows: Any  # np.ndarray int64
     crcs: Any  # np.ndarray uint32
+    parts: Mapping[int, tuple[dict[str, Any], ...]] = dataclasses.field(default_factory=dict)  # S3: file -> ETags of this rank's parts
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ class HFStorageWriter(StorageWriter):
         self._direct = False
         self._items: dict[MetadataIndex, WriteItem] = {}
         self._s3_parts: list[list[RankPart | GatherPart]] | None = None
+        self._gathers: dict[tuple[int, int], GatherTask] = {}  # S3: (file, part number) -> where its bytes are staged
         self._uploads: dict[int, str] = {}
         # Compact plans: this rank's write items, kept here while DCP gathers only their
         # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.
@@ -283,12 +285,12 @@ class HFStorageWriter(StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """(all ranks) Reject what safetensors cannot hold; record this rank's key order.
+        """(all ranks) Reject what safetensors cannot hold, before anything is written.
 
-        In direct mode (local disk) the plan DCP gathers carries no write items: the rank keeps
-        them and sends their chunks as arrays (``_compact.LocalChunks``), since the coordinator
-        needs nothing per chunk there. DCP's own planner then sees empty plans (nothing to
-        deduplicate or validate); ``prepare_global_plan`` does both, linearly.
+        The plan DCP gathers carries no write items: the rank keeps them and sends their chunks
+        as arrays (``_compact.LocalChunks``), a few KiB instead of ~2 KiB per item. DCP's own
+        planner then sees empty plans (nothing to deduplicate or validate);
+        ``prepare_global_plan`` does both, linearly, and plans every store's work from the arrays.
         """
         not_tensors = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
         if not_tensors:
@@ -299,26 +301,17 @@ class HFStorageWriter(StorageWriter):
         for item in plan.items:
             assert item.tensor_data is not None  # every non-BYTE_IO item carries tensor data
             dtype_name(item.tensor_data.properties.dtype, key=item.index.fqn)
-        self._local = None
-        if self._compact_mode():
-            self._local = (list(plan.items), encode_local(plan.items))
-            planner_data = plan.planner_data
-            if isinstance(planner_data, Mapping) and all(tuple(path) == (key,) for key, path in planner_data.items()):
-                # DCP's flattening map of a flat state dict (each key to itself) says nothing, and
-                # gathered from thousands of ranks it would cost the coordinator GiBs.
-                planner_data = {}
-            return dataclasses.replace(plan, items=[], storage_data=self._local[1], planner_data=planner_data)
-        order = tuple(dict.fromkeys(item.index.fqn for item in plan.items))
-        return dataclasses.replace(plan, storage_data=order)
+        self._local = (list(plan.items), encode_local(plan.items))
+        planner_data = plan.planner_data
+        if isinstance(planner_data, Mapping) and all(tuple(path) == (key,) for key, path in planner_data.items()):
+            # DCP's flattening map of a flat state dict (each key to itself) says nothing, and
+            # gathered from thousands of ranks it would cost the coordinator GiBs.
+            planner_data = {}
+        return dataclasses.replace(plan, items=[], storage_data=self._local[1], planner_data=planner_data)
 
     def _direct_mode(self) -> bool:
         """Positioned writes into the final files: the same answer on every rank."""
         return self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
-
-    def _compact_mode(self) -> bool:
-        """Compact plans (``_compact.py``): every store but S3, whose part planning still needs
-        every rank's write items. The same answer on every rank."""
-        return self._s3 is None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Plan the whole layout, then prepare the destination for writing."""
@@ -330,25 +323,17 @@ class HFStorageWriter(StorageWriter):
                 f"ranks {stale[:8]} sent a cached plan (DefaultSavePlanner(enable_plan_caching=True)); "
                 f"HFStorageWriter plans every save afresh. Use a planner without enable_plan_caching"
             )
-        # Step 1: pure planning: file of each key, headers, placement of every chunk.
+        # Step 1: pure planning: file of each key, headers, where every chunk goes.
         compact = [p.storage_data for p in plans if isinstance(p.storage_data, LocalChunks)]
-        tables: list[TablePlan] | None = None
-        if compact:
-            if len(compact) != len(plans):
-                raise RuntimeError(f"{len(compact)} of {len(plans)} ranks sent compact plans; every rank must use the same HFStorageWriter options")
-            direct = self._direct_mode()
-            mode = "direct" if direct else "staged"
-            layout, tables, tasks = self._plan_compact(compact, mode)
-            placements: list[dict[MetadataIndex, Placement]] = [{} for _ in plans]
-        else:
-            specs = collect_tensor_specs(plans, key_order=[p.storage_data or () for p in plans])
-            layout = plan_layout(
-                specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping
+        if len(compact) != len(plans):
+            raise RuntimeError(
+                f"{len(plans) - len(compact)} of {len(plans)} ranks sent no compact plan: HFStorageWriter.prepare_local_plan "
+                f"must be the last step of every rank's local planning (a planner that replaces SavePlan.storage_data breaks it)"
             )
-            direct = self._direct_mode()
-            mode = "direct" if direct else "s3" if self._s3 is not None else "staged"
-            placements = self._adopt(layout, mode, plans)
-            tasks = _plan_tasks(layout, mode, plans, placements, self._s3_parts)
+        direct = self._direct_mode()
+        mode = "direct" if direct else "s3" if self._s3 is not None else "staged"
+        layout, tables, tasks = self._plan_compact(compact, mode)
+        placements: list[dict[MetadataIndex, Placement]] = [{} for _ in plans]
         # Step 2: I/O on the destination, still before any rank writes data.
         self._prepare_destination(layout, direct)
         if self._s3_parts is not None:
@@ -365,17 +350,17 @@ class HFStorageWriter(StorageWriter):
         return _rank_plans(plans, layout, save_id, direct, placements, self._s3_parts, self._uploads, tables, tasks)
 
     def _plan_compact(self, chunks: list[LocalChunks], mode: str) -> tuple[Layout, list[TablePlan], list[list[GatherTask | MergeTask]] | None]:
-        """(coordinator) The layout, each rank's table plan and, staged (``mode``), each rank's
-        files to merge, from compact local plans. No I/O."""
+        """(coordinator) From compact local plans: the layout, each rank's table plan, and
+        unless ``mode`` is ``direct`` each rank's finishing tasks (and on S3 every file's parts).
+        No I/O."""
         g = gather(chunks)
         dedup = check_and_dedup(g)
         layout = plan_layout(g.specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping)
-        self._layout, self._direct, self._items, self._s3_parts, self._uploads = layout, mode == "direct", {}, None, {}
+        self._layout, self._direct, self._items, self._uploads = layout, mode == "direct", {}, {}
         self._tables = (g.table_keys, g.table_of_rank)
-        tasks = None
-        if mode == "staged":
-            placed = place_chunks(g, dedup, layout)
-            tasks = _assign_tasks(merge_tasks(placed, layout), placed.bytes_per_rank(len(chunks)).tolist())
+        s3, tasks = _plan_tasks(layout, mode, place_chunks(g, dedup, layout) if mode != "direct" else None, len(chunks))
+        self._s3_parts = s3.parts if s3 is not None else None
+        self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
         return layout, table_plans(g, layout, dedup), tasks
 
     def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> list[dict[MetadataIndex, Placement]]:
@@ -387,7 +372,9 @@ class HFStorageWriter(StorageWriter):
         self._layout = layout
         self._direct = mode == "direct"
         self._items = {item.index: item for plan in plans for item in plan.items}
-        self._s3_parts = _plan_s3_parts(layout, plans, placements) if mode == "s3" else None
+        s3 = plan_s3(place_written(layout, plans), layout) if mode == "s3" else None
+        self._s3_parts = s3.parts if s3 is not None else None
+        self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
         self._uploads = dict(uploads or {})
         self._tables = None
         return placements
@@ -501,7 +488,8 @@ class HFStorageWriter(StorageWriter):
         position = {item.index: i for i, item in enumerate(all_items)}
         rows = local.rows[[position[r.index] for r in results], 0] if results else np.empty(0, dtype=np.int64)
         crcs = np.array([r.storage_data.crc for r in results], dtype=np.uint32)
-        return [WriteResult(_PACKED, sum(r.size_in_bytes for r in results), _WrittenRows(rows, crcs))]
+        parts = {r.storage_data.file: r.storage_data.parts for r in results if r.storage_data.parts}
+        return [WriteResult(_PACKED, sum(r.size_in_bytes for r in results), _WrittenRows(rows, crcs, parts))]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Merge staged objects if any, then commit by writing the index."""
@@ -779,20 +767,20 @@ class HFStorageWriter(StorageWriter):
         by_ranks: dict[int, set[int]] = {}
         for rank_results in results:
             for r in rank_results:
-                etags.setdefault(r.storage_data.file, []).extend(r.storage_data.parts)
+                written = r.storage_data
+                for f, parts in written.parts.items() if isinstance(written, _WrittenRows) else [(written.file, written.parts)]:
+                    etags.setdefault(f, []).extend(parts)
         for fin in finished.values():
             for f, parts in fin.parts.items():
                 by_ranks.setdefault(f, set()).update(e["PartNumber"] for e in parts)
                 etags.setdefault(f, []).extend(e for e in parts if "ETag" in e)
-        here = any(isinstance(p, GatherPart) and p.number not in by_ranks.get(f, ()) for f, parts in enumerate(s3_parts) for p in parts)
-        # Where the staged bytes sit, only when some part is gathered here.
-        tasks = {(t.file, t.number): t for t in _gather_tasks(layout, s3_parts, _written_items(results, self._items))} if here else {}
+        gathers = self._gathers
 
         try:
             for f, plan in enumerate(layout.files):
 
                 def sources(part: GatherPart, f: int = f) -> list[Any]:
-                    return tasks[(f, part.number)].sources()
+                    return gathers[(f, part.number)].sources()
 
                 complete_file(
                     self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, s3_parts[f],
@@ -896,94 +884,19 @@ def _meets(tasks: list[list[GatherTask | MergeTask]] | None) -> bool:
     return tasks is not None and len(tasks) > 1 and any(tasks)
 
 
-def _written_items(results: list[list[WriteResult]], items: Mapping[MetadataIndex, WriteItem]) -> dict[tuple[int, int], list[WriteItem]]:
-    """(coordinator) Each rank's written items by ``(file, rank)``, from its write results."""
-    written: dict[tuple[int, int], list[WriteItem]] = {}
-    for rank, rank_results in enumerate(results):
-        for r in rank_results:
-            written.setdefault((r.storage_data.file, rank), []).append(items[r.index])
-    return written
-
-
-def _staged_indexes(layout: Layout, written: Mapping[tuple[int, int], list[WriteItem]], s3_parts: list[list[RankPart | GatherPart]]) -> dict[tuple[int, int], StagedIndex]:
-    """Where each rank's staged bytes of each file sit in its staged object, by replaying the
-    rank's routing of its runs (``_write_s3`` does the same, in the same order). Pure."""
-    indexes: dict[tuple[int, int], StagedIndex] = {}
-    for (file, rank), file_items in written.items():
-        parts = tuple(p for p in s3_parts[file] if isinstance(p, RankPart) and p.rank == rank)
-        starts = [p.start for p in parts]
-        index = indexes[(file, rank)] = StagedIndex()
-        for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
-            td = item.tensor_data
-            assert td is not None
-            base = layout.tensor_start[item.index.fqn]
-            for t, _, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, element_size(td.properties.dtype)):
-                for at, take, part in route_run(base + t, n, starts, parts):
-                    if part is None:
-                        index.add(at, take)
-    return indexes
-
-
-def _gather_tasks(layout: Layout, s3_parts: list[list[RankPart | GatherPart]], written: Mapping[tuple[int, int], list[WriteItem]]) -> list[GatherTask]:
-    """(coordinator) A task per gathered S3 part: where its bytes sit in the ranks' staged
-    objects. With one chunk per tensor per rank (every DTensor save) each rank stages in file
-    order and one pass over the parts says it all; otherwise each rank's routing is replayed
-    and every range located (``StagedIndex``). Pure."""
-    if all(len({it.index.fqn for it in items}) == len(items) for items in written.values()):
-        return gather_tasks(s3_parts, [f.header for f in layout.files])
-    indexes = _staged_indexes(layout, written, s3_parts)
-    tasks = []
-    for f, parts in enumerate(s3_parts):
-        for p in parts:
-            if isinstance(p, GatherPart):
-                locate = lambda rank, start, end, f=f: indexes[(f, rank)].locate(start, end)  # noqa: E731
-                tasks.append(GatherTask(f, p.number, p.nbytes, explicit=gather_sources(p, layout.files[f].header, locate)))
-    return tasks
-
-
-def _plan_tasks(
-    layout: Layout,
-    mode: str,
-    plans: list[SavePlan],
-    placements: list[dict[MetadataIndex, Placement]],
-    s3_parts: list[list[RankPart | GatherPart]] | None,
-) -> list[list[GatherTask | MergeTask]] | None:
+def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: int) -> tuple[S3Plan | None, list[list[GatherTask | MergeTask]] | None]:
     """(coordinator) The finishing work of a save on an object store, spread over its ranks by
-    bytes (``_spread.assign``): on S3 each gathered part, elsewhere each file to merge, given to
-    the rank with the fewest bytes so far, counting each rank's own bytes. ``None`` in direct
-    mode (nothing to finish). Pure."""
+    bytes (``_spread.assign``): on S3 each gathered part (and every file's parts), elsewhere each
+    file to merge, given to the rank with the fewest bytes so far, counting each rank's own
+    bytes. ``(None, None)`` in direct mode (nothing to finish). Pure."""
     if mode == "direct":
-        return None
-    written: dict[tuple[int, int], list[WriteItem]] = {}
-    own = [0] * len(plans)
-    for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
-        for item in plan.items:
-            written.setdefault((placed[item.index].file, rank), []).append(item)
-            own[rank] += _chunk_bytes(item)
-    tasks: list[GatherTask | MergeTask] = []
-    if mode == "s3":
-        assert s3_parts is not None
-        tasks.extend(_gather_tasks(layout, s3_parts, written))
-    else:
-        keys = [[e.name for e in plan.entries] for plan in layout.files]
-        key_index = [{k: t for t, k in enumerate(ks)} for ks in keys]
-        width = max((len(s.shape) for s in layout.specs.values()), default=0)
-        rows: dict[int, list[list[int]]] = {}
-        for (f, rank), file_items in sorted(written.items()):
-            pos = 0
-            # The rank streams its items in this order, so each one's offset in its staged object is known.
-            for item in _in_write_order(file_items, lambda it: layout.tensor_start[it.index.fqn]):
-                td = item.tensor_data
-                assert td is not None
-                pad = [0] * (width - len(td.size))
-                rows.setdefault(f, []).append([rank, key_index[f][item.index.fqn], pos, *td.chunk.offsets, *pad, *td.chunk.sizes, *pad])
-                pos += _chunk_bytes(item)
-        for f, plan in enumerate(layout.files):
-            tensors = tuple((layout.tensor_start[k], tuple(layout.specs[k].shape), element_size(layout.specs[k].dtype)) for k in keys[f])
-            a = np.array(rows.get(f, []), dtype=np.int64).reshape(-1, 3 + 2 * width)
-            chunks = encode_chunk_rows(a[:, 0], a[:, 1], a[:, 2], a[:, 3 : 3 + width], a[:, 3 + width :])
-            tasks.append(MergeTask(f, plan.header, plan.size, tensors, chunks, width))
-    return _assign_tasks(tasks, own)
+        return None, None
+    assert placed is not None
+    own = placed.bytes_per_rank(world).tolist()
+    if mode == "staged":
+        return None, _assign_tasks(list(merge_tasks(placed, layout)), own)
+    s3 = plan_s3(placed, layout)
+    return s3, _assign_tasks(list(s3.tasks), own)
 
 
 def _assign_tasks(tasks: list[GatherTask | MergeTask], own: list[int]) -> list[list[GatherTask | MergeTask]]:
@@ -1042,21 +955,9 @@ def _rank_record(rank_plan: _RankPlan, items: list[WriteItem], results: list[Wri
 
 
 def _in_write_order(items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]) -> list[WriteItem]:
-    """A rank's items of one file in output order; ranks and the coordinator sort alike."""
+    """A rank's items of one file in output order (by the chunk's first byte: for chunks of one
+    tensor, the order of their offsets), the order it stages them in; ``_placed`` sorts alike."""
     return sorted(items, key=lambda it: (tensor_start(it), _chunk_offsets(it)))
-
-
-def _plan_s3_parts(layout: Layout, plans: list[SavePlan], placements: list[Mapping[MetadataIndex, Placement]]) -> list[list[RankPart | GatherPart]]:
-    """Multipart parts of every file, from every rank's byte runs in it (pure)."""
-    runs: list[list[tuple[int, int, int]]] = [[] for _ in layout.files]
-    for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
-        for item in plan.items:
-            td = item.tensor_data
-            assert td is not None
-            place = placed[item.index]
-            for t, _, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, element_size(td.properties.dtype)):
-                runs[place.file].append((place.tensor_start + t, rank, n))
-    return [plan_file_parts(len(f.header), sorted(r), f.size) for f, r in zip(layout.files, runs, strict=True)]
 
 
 def _tensor_bytes(item: WriteItem) -> int:

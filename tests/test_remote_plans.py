@@ -5,69 +5,54 @@ from __future__ import annotations
 import bisect
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from hf_dcp_storage._layout import chunk_runs
-from hf_dcp_storage._s3parts import MAX_PART_BYTES, MIN_PART_BYTES, GatherPart, RankPart, StagedIndex, plan_file_parts, route_run
+from hf_dcp_storage._s3parts import MAX_PART_BYTES, MIN_PART_BYTES, GatherPart, RankPart, plan_file_parts, route_run
 from hf_dcp_storage.reader import coalesce
 
 MiB = 2**20
 
 
-def _runs(header_len: int, owners: list[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], int]:
-    """``owners`` of ``(rank, nbytes)`` laid end to end after the header -> ``(start, rank, n)`` runs."""
-    runs, pos = [], header_len
+def _plan(header_len: int, owners: list[tuple[int, int]], **kwargs):
+    """``owners`` of ``(rank, nbytes)`` laid end to end after the header, neighbours of one rank
+    joined (as ``_s3plan`` passes them) -> ``(parts, runs as (start, rank, n), size)``."""
+    runs: list[tuple[int, int, int]] = []
+    pos = header_len
     for rank, n in owners:
-        runs.append((pos, rank, n))
+        if n and runs and runs[-1][1] == rank and rank >= 0:
+            runs[-1] = (runs[-1][0], rank, runs[-1][2] + n)
+        elif n:
+            runs.append((pos, rank, n))
         pos += n
-    return runs, pos
+    arr = np.array(runs, dtype=np.int64).reshape(-1, 3)
+    return plan_file_parts(header_len, pos, arr[:, 0], arr[:, 2], arr[:, 1], **kwargs), runs, pos
 
 
 def _check(parts, runs, header_len: int, size: int, *, min_part: int = MIN_PART_BYTES) -> None:
     """Parts are numbered 1..N in file order, all but the last hold at least ``min_part`` bytes,
-    none over 5 GiB; together they are exactly the header then every byte, each byte from the
-    rank that holds it."""
+    none over 5 GiB; together they tile the file, and a rank's own part holds only its bytes."""
     assert [p.number for p in parts] == list(range(1, len(parts) + 1))
     sizes = [p.nbytes + (p.start if isinstance(p, RankPart) and p.header else 0) for p in parts]
     assert all(n >= min_part for n in sizes[:-1]), sizes
     assert all(n <= MAX_PART_BYTES for n in sizes)
     run_starts = [r[0] for r in runs]
-
-    def owned_by(rank: int, start: int, end: int) -> bool:
-        i = bisect.bisect_right(run_starts, start) - 1
-        while start < end:
-            if i >= len(runs) or runs[i][0] + runs[i][2] <= start:
-                i += 1
-                continue
-            if runs[i][1] != rank:
-                return False
-            start = runs[i][0] + runs[i][2]
-            i += 1
-        return True
-
-    covered: list[tuple[int | None, int, int]] = []
-    for p in parts:
-        if isinstance(p, RankPart):
-            if p.header:
-                covered.append((None, 0, p.start))
-            covered.append((p.rank, p.start, p.end))
-        else:
-            covered.extend(p.pieces)
     pos = 0
-    for rank, start, end in covered:
-        assert start == pos, (start, pos)
-        if rank is None:
-            assert (start, end) == (0, header_len)
-        else:
-            assert owned_by(rank, start, end), (rank, start, end)
-        pos = end
+    for p in parts:
+        start = 0 if isinstance(p, RankPart) and p.header else p.start
+        assert start == pos, (p, pos)
+        if isinstance(p, RankPart):
+            assert p.start == max(start, header_len)
+            i = bisect.bisect_right(run_starts, p.start) - 1
+            assert runs[i][1] == p.rank and runs[i][0] + runs[i][2] >= p.end, (p, runs[i])
+        pos = p.end
     assert pos == size
 
 
 def test_big_runs_are_the_ranks_own_parts_and_the_first_carries_the_header() -> None:
-    runs, size = _runs(1000, [(0, 20 * MiB), (1, 20 * MiB)])
-    parts = plan_file_parts(1000, runs, size)
+    parts, runs, size = _plan(1000, [(0, 20 * MiB), (1, 20 * MiB)])
     _check(parts, runs, 1000, size)
     assert parts == [
         RankPart(1, 0, 1000, 1000 + 10 * MiB, header=True),
@@ -77,73 +62,80 @@ def test_big_runs_are_the_ranks_own_parts_and_the_first_carries_the_header() -> 
     ]
 
 
-def test_small_runs_of_several_ranks_are_gathered_and_top_up_from_the_next_big_run() -> None:
-    runs, size = _runs(100, [(0, 8 * MiB), (0, 1000), (1, 1000), (1, 12 * MiB), (0, 300)])
-    parts = plan_file_parts(100, runs, size)
+def test_small_runs_are_gathered_and_take_the_front_of_the_next_big_run() -> None:
+    parts, runs, size = _plan(100, [(0, 8 * MiB), (0, 1000), (1, 1000), (1, 12 * MiB), (0, 300)])
     _check(parts, runs, 100, size)
-    # rank 0's 8 MiB + 1000 B joined: its own part, header in front; then rank 1's 1000 B plus the
-    # first bytes of its 12 MiB run make one part of rank 1 alone, so it sends that too; rank 0's
-    # last 300 B are the last part, again one rank's own.
+    # rank 0's 8 MiB + 1000 B joined: its own part, header in front; rank 1's 1000 B and 12 MiB
+    # joined: its own; rank 0's last 300 B are the last part, again one rank's own.
     assert all(isinstance(p, RankPart) for p in parts)
     assert parts[0] == RankPart(1, 0, 100, 100 + 8 * MiB + 1000, header=True)
-    mixed, size = _runs(8, [(0, 1000), (1, 2000), (0, 6 * MiB), (1, 3000)])
-    parts = plan_file_parts(8, mixed, size)
-    _check(parts, mixed, 8, size)
-    # header + two ranks' small runs + the head of rank 0's run: gathered by the coordinator.
-    assert isinstance(parts[0], GatherPart) and parts[0].nbytes == MIN_PART_BYTES
-    assert [type(p).__name__ for p in parts] == ["GatherPart", "GatherPart"]  # too little left of the 6 MiB
+    parts, runs, size = _plan(8, [(0, 1000), (1, 2000), (0, 12 * MiB), (1, 3000)])
+    _check(parts, runs, 8, size)
+    # header + two ranks' small runs + the front of rank 0's run make 5 MiB, gathered; the rest
+    # of the run is rank 0's; rank 1's last 3000 B are one rank's last part.
+    assert parts[0] == GatherPart(1, 0, MIN_PART_BYTES)
+    assert parts[1] == RankPart(2, 0, MIN_PART_BYTES, 8 + 3000 + 12 * MiB)
+    assert parts[2] == RankPart(3, 1, 8 + 3000 + 12 * MiB, size)
+    parts, runs, size = _plan(8, [(0, 1000), (1, 2000), (0, 6 * MiB), (1, 3000)])
+    _check(parts, runs, 8, size)
+    # Taking the front of the 6 MiB run would leave under 5 MiB: it is gathered whole.
+    assert parts == [GatherPart(1, 0, size)]
+
+
+def test_mixed_runs_are_gathered_and_gathers_split_evenly() -> None:
+    # A column-sharded tensor (rank -1) of 23 MiB between two ranks' big runs.
+    parts, runs, size = _plan(0, [(0, 20 * MiB), (-1, 23 * MiB), (1, 20 * MiB)])
+    _check(parts, runs, 0, size)
+    gathered = [p for p in parts if isinstance(p, GatherPart)]
+    assert len(gathered) == 4 and sum(p.nbytes for p in gathered) == 23 * MiB
+    assert max(p.nbytes for p in gathered) - min(p.nbytes for p in gathered) <= 1
 
 
 def test_long_runs_are_cut_near_16_mib_and_huge_files_keep_under_the_part_limit() -> None:
-    runs, size = _runs(0, [(0, 12 * 2**30)])
-    parts = plan_file_parts(0, runs, size)
+    parts, runs, size = _plan(0, [(0, 12 * 2**30)])
     _check(parts, runs, 0, size)
     assert len(parts) == 768 and {p.nbytes for p in parts} == {16 * MiB}
-    runs, size = _runs(8, [(i % 2, MiB) for i in range(60_000)])  # 60,000 one-MiB runs, two ranks
-    parts = plan_file_parts(8, runs, size)
+    parts, runs, size = _plan(8, [(i % 2, MiB) for i in range(60_000)])  # 60,000 one-MiB runs, two ranks
     _check(parts, runs, 8, size)
     assert len(parts) <= 5_000 and all(isinstance(p, GatherPart) for p in parts)
 
 
 def test_runs_that_do_not_tile_the_file_are_refused() -> None:
-    with pytest.raises(ValueError, match="byte runs jump from 10 to 11"):
-        plan_file_parts(10, [(11, 0, 5)], 16)
-    with pytest.raises(ValueError, match="byte runs end at 15, but the file has 16 bytes"):
-        plan_file_parts(10, [(10, 0, 5)], 16)
+    one = np.array([5])
+    with pytest.raises(ValueError, match="do not tile it"):
+        plan_file_parts(10, 16, np.array([11]), one, np.array([0]))
+    with pytest.raises(ValueError, match="do not tile it"):
+        plan_file_parts(10, 16, np.array([10]), one, np.array([0]))
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_random_runs_and_their_routing_and_staged_index(seed: int) -> None:
+def test_random_runs_and_their_routing(seed: int) -> None:
     """Random owners and sizes (min part 64 B): valid parts; each rank's routing sends every byte
-    it holds either into one of its parts or to its staged object; the staged index finds every
-    gathered piece at the right place of the staged object."""
+    it holds either into one of its parts or to its staged object, and the staged bytes of all
+    ranks are exactly the gathered parts' bytes but the header's."""
     rng = random.Random(seed)
     min_part = 64
-    owners = [(rng.randrange(3), rng.choice([0, 1, 7, 40, 63, 64, 65, 100, 300, 1000])) for _ in range(rng.randrange(1, 40))]
+    owners = [(rng.randrange(-1, 3), rng.choice([0, 1, 7, 40, 63, 64, 65, 100, 300, 1000])) for _ in range(rng.randrange(1, 40))]
     header = rng.choice([0, 8, 70])
-    runs, size = _runs(header, owners)
-    parts = plan_file_parts(header, runs, size, min_part=min_part, rank_part=256)
+    parts, runs, size = _plan(header, owners, min_part=min_part, rank_part=256)
     _check(parts, runs, header, size, min_part=min_part)
-    for rank in range(3):
+    staged = bytearray(size)
+    for rank in range(-1, 3):
         mine = [p for p in parts if isinstance(p, RankPart) and p.rank == rank]
-        starts = [p.start for p in mine]
-        staged = StagedIndex()
-        stream = bytearray()
+        assert rank >= 0 or not mine  # mixed bytes are never a rank's own part
         for start, owner, n in runs:
             if owner != rank:
                 continue
-            for at, take, part in route_run(start, n, starts, mine):
+            for at, take, part in route_run(start, n, [p.start for p in mine], mine):
                 if part is None:
-                    staged.add(at, take)
-                    stream += bytes((b % 251 for b in range(at, at + take)))  # a byte pattern of the offset
+                    staged[at : at + take] = b"\x01" * take
                 else:
                     assert part.start <= at and at + take <= part.end
-        for p in parts:
-            if isinstance(p, GatherPart):
-                for r, s, e in p.pieces:
-                    if r == rank:
-                        got = b"".join(bytes(stream[o : o + n]) for o, n in staged.locate(s, e))
-                        assert got == bytes(b % 251 for b in range(s, e))
+    gathered = bytearray(size)
+    for p in parts:
+        if isinstance(p, GatherPart):
+            gathered[max(p.start, header) : p.end] = b"\x01" * (p.end - max(p.start, header))
+    assert staged == gathered
 
 
 # -- coalesced ranged reads ---------------------------------------------------------------------------

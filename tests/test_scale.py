@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -26,10 +27,9 @@ from _dist import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, placements_for, rank_load_state_dict, rank_save_plan, shard_range  # noqa: E402
-from bench_scale import dcp_global_plan, object_plan_writer, plan_ours  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
-from hf_dcp_storage.writer import _RankPlan  # noqa: E402
+from hf_dcp_storage.writer import _rank_plans as writer_rank_plans  # noqa: E402
 
 # Every dimension splits unevenly over 4 ranks and over a 2x2 mesh, and on 4 ranks the last
 # one holds an empty shard of k/v (3 rows: 1, 1, 1, 0).
@@ -85,34 +85,23 @@ def test_synthetic_plans_equal_dcp_plans_of_real_dtensors() -> None:
 def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, int, int]:
     """(best of 3 seconds of our coordinator planning, largest pickled storage_data, write items).
 
-    ``local``: compact plans, as a local-disk save gathers them (``_compact.py``); ``staged``:
-    the same on a store without positioned writes (with its merge tasks); ``s3``: our planning on
-    DCP's deduplicated object plans."""
+    The coordinator's planning of compact plans (``_compact.py``), as a save gathers them, on
+    local disk (``local``), on a store without positioned writes (``staged``: with its merge
+    tasks) and on S3 (``s3``: with every file's parts and the gathering tasks)."""
     shapes = llama_shapes(cfg)
     mesh = Mesh.of(world, tp)
-    if mode in ("local", "staged"):
-        writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB", direct_write=mode == "local")
-        chunks = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data for r in range(world)]
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            layout, tables, _tasks = writer._plan_compact(chunks, "direct" if mode == "local" else "staged")
-            best = min(best, time.perf_counter() - t)
-        # The layout part of each rank's plan (a merging rank also gets its file's chunks).
-        sent = max(len(pickle.dumps(_RankPlan(r, "0" * 32, True, layout.names, {}, None, tables[r]))) for r in range(world))
-        return best, sent, sum(len(c.rows) for c in chunks)
-    writer = object_plan_writer("256MB")
-    plans = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)) for r in range(world)]
-    global_plan, _ = dcp_global_plan(plans, {})
+    writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
+    chunks = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data for r in range(world)]
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        ours = plan_ours(writer, global_plan, mode)
+        layout, tables, tasks = writer._plan_compact(chunks, "direct" if mode == "local" else mode)
         best = min(best, time.perf_counter() - t)
-    # The layout part of each rank's plan; the gathering tasks it also gets (the addresses of the
-    # bytes it gathers, one per run in its parts) are checked by test_spread.py.
-    sent = max(len(pickle.dumps(dataclasses.replace(p.storage_data, tasks=()))) for p in ours.rank_plans)
-    return best, sent, sum(len(p.items) for p in global_plan)
+    # The layout part of each rank's plan (on S3 with its own parts); a rank given finishing
+    # work also gets that work's addresses, checked by test_spread.py.
+    plans = writer_rank_plans([SavePlan([]) for _ in range(world)], layout, "0" * 32, mode == "local", [{}] * world, writer._s3_parts, {}, tables, tasks)
+    sent = max(len(pickle.dumps(dataclasses.replace(p.storage_data, tasks=()))) for p in plans)
+    return best, sent, sum(len(c.rows) for c in chunks)
 
 
 @pytest.mark.parametrize("tp, mode", [(1, "local"), (1, "staged"), (1, "s3"), (2, "local")], ids=["fsdp-local", "fsdp-staged", "fsdp-s3", "fsdp_tp-local"])

@@ -26,13 +26,14 @@ from _data import assert_same, folder_bytes, random_tensor, seed_of
 from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
 from hf_dcp_storage._layout import chunk_runs, collect_tensor_specs, parse_size, place_items, plan_layout
+from hf_dcp_storage._placed import place_items as place_written
 from hf_dcp_storage._s3parts import GatherPart, RankPart, route_run
 from hf_dcp_storage._spread import GatherTask, MergeTask, assign
-from hf_dcp_storage.writer import _in_write_order, _plan_s3_parts, _plan_tasks
+from hf_dcp_storage.writer import _in_write_order, _plan_tasks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import bytes_per_rank, dcp_global_plan, object_plan_writer, plan_ours  # noqa: E402
+from bench_scale import bytes_per_rank, dcp_global_plan, object_local_plan, plan_ours  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 # One layer of a 1B-class model over 64 ranks: every rank's run of a weight is under 5 MiB, so
@@ -61,8 +62,8 @@ def test_assign_keeps_every_rank_within_one_task_of_the_others() -> None:
 
 
 def _object_plans(world: int):
-    writer = object_plan_writer("256MB")
-    plans = [writer.prepare_local_plan(rank_save_plan(llama_shapes(SMALL_RUNS), Mesh(world), r)) for r in range(world)]
+    writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
+    plans = [object_local_plan(rank_save_plan(llama_shapes(SMALL_RUNS), Mesh(world), r)) for r in range(world)]
     global_plan, _ = dcp_global_plan(plans, {})
     return writer, global_plan
 
@@ -93,7 +94,8 @@ def test_every_gathered_s3_part_is_given_to_one_rank_and_the_bytes_are_balanced(
 def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> None:
     writer, global_plan = _object_plans(16)
     ours = plan_ours(writer, global_plan, "local")  # layout and placements; tasks planned below
-    tasks = _plan_tasks(ours.layout, "staged", global_plan, ours.placements, None)
+    _, tasks = _plan_tasks(ours.layout, "staged", place_written(ours.layout, global_plan), len(global_plan))
+    assert tasks is not None
     merges = sorted((t for ts in tasks for t in ts), key=lambda t: t.file)
     assert [t.file for t in merges] == list(range(len(ours.layout.files)))
     for t in merges:
@@ -102,7 +104,7 @@ def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> 
         assert (t.header, t.nbytes) == (plan.header, plan.size)
         assert sum(p.itemsize * torch.Size(p.sizes).numel() for p in t.pieces(str)) == plan.size - len(plan.header)
     assert len([ts for ts in tasks if ts]) == min(16, len(ours.layout.files))  # one file each while ranks last
-    assert _plan_tasks(ours.layout, "direct", global_plan, ours.placements, None) is None
+    assert _plan_tasks(ours.layout, "direct", None, len(global_plan)) == (None, None)
 
 
 def _item(key: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:
@@ -132,16 +134,28 @@ def _dtensor_plans(world: int) -> list[SavePlan]:
     return dcp_global_plan(plans, {})[0]
 
 
-@pytest.mark.parametrize("make, fast", [(_dtensor_plans, True), (_two_chunk_plans, False)], ids=["dtensor-2d", "two-chunks-per-rank"])
-def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make, fast: bool) -> None:
+def _fsdp_plans(world: int) -> list[SavePlan]:
+    """DCP's plans for FSDP DTensors with runs on both sides of S3's 5 MiB part minimum."""
+    # In one file: small runs, then 8 MiB runs (the gap before them takes the first one's
+    # front), small runs, 6 MiB runs (too short to give: the first is gathered whole), small.
+    shapes = [("w", (1000, 3000)), ("norm", (1024,)), ("emb", (8192, 8192)), ("w2", (3000, 1000)), ("emb2", (6144, 8192)), ("w3", (1000, 3000))]
+    plans = [rank_save_plan(shapes, Mesh(world), r, dtype=torch.uint8) for r in range(world)]
+    return dcp_global_plan(plans, {})[0]
+
+
+@pytest.mark.parametrize("make", [_dtensor_plans, _two_chunk_plans, _fsdp_plans], ids=["dtensor-2d", "two-chunks-per-rank", "fsdp-big-and-small"])
+def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make) -> None:
     """Stage every rank's bytes as ``_write_s3`` routes them, then assemble each gathered part
-    from its task's sources: byte for byte the consolidated file's part."""
+    from its task's sources: byte for byte the consolidated file's part; the ranks' own parts
+    and the gathered ones tile every file."""
     world = 8
     plans = make(world)
     specs = collect_tensor_specs(plans, key_order=[() for _ in plans])
-    layout = plan_layout(specs, max_shard_bytes=parse_size("8MiB"), fqn_to_index_mapping=None)
+    layout = plan_layout(specs, max_shard_bytes=parse_size("128MiB"), fqn_to_index_mapping=None)
     placements = place_items(layout, plans)
-    s3_parts = _plan_s3_parts(layout, plans, placements)
+    s3, rank_tasks = _plan_tasks(layout, "s3", place_written(layout, plans), world)
+    assert s3 is not None and rank_tasks is not None
+    s3_parts = s3.parts
     full = {k: torch.randint(0, 256, spec.shape, generator=torch.Generator().manual_seed(i), dtype=torch.uint8) for i, (k, spec) in enumerate(layout.specs.items())}
     files = [bytearray(f.header) + bytearray(f.size - len(f.header)) for f in layout.files]
     for k, t in full.items():
@@ -158,14 +172,25 @@ def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make, fa
                 for at, take, part in route_run(place.tensor_start + t, n, [p.start for p in own], own):
                     if part is None:
                         staged.setdefault((place.file, rank), bytearray()).extend(chunk[c + at - place.tensor_start - t : c + at - place.tensor_start - t + take])
-    tasks = [t for ts in _plan_tasks(layout, "s3", plans, placements, s3_parts) for t in ts]
+    tasks = [t for ts in rank_tasks for t in ts]
     gathers = {(f, p.number): p for f, parts in enumerate(s3_parts) for p in parts if isinstance(p, GatherPart)}
-    assert sorted((t.file, t.number) for t in tasks) == sorted(gathers) and len(tasks) >= 3
+    assert sorted((t.file, t.number) for t in tasks) == sorted(gathers) and len(tasks) >= 2
+    used = 0
     for task in tasks:
-        assert bool(task.explicit) is not fast and bool(task.base) is fast
         data = b"".join(s if isinstance(s, bytes) else bytes(staged[(task.file, s[0])][s[1] : s[1] + s[2]]) for s in task.sources())
-        pieces = gathers[(task.file, task.number)].pieces
-        assert data == bytes(files[task.file][pieces[0][1] : pieces[-1][2]]), f"file {task.file} part {task.number}"
+        part = gathers[(task.file, task.number)]
+        assert data == bytes(files[task.file][part.start : part.end]), f"file {task.file} part {task.number}"
+        used += len(data) - len(task.head)
+    assert used == sum(len(b) for b in staged.values())  # every staged byte is gathered once
+    for f, parts in enumerate(s3_parts):  # numbered in file order, tiling the file
+        assert [p.number for p in parts] == list(range(1, len(parts) + 1))
+        edges = [(0 if isinstance(p, RankPart) and p.header else p.start, p.end) for p in parts]
+        assert edges[0][0] == 0 and edges[-1][1] == layout.files[f].size and all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+        assert all(p.nbytes >= 5 << 20 for p in parts[:-1])
+    if make is _fsdp_plans:
+        assert any(isinstance(p, RankPart) for ps in s3_parts for p in ps)  # 8 MiB runs: the ranks' own
+    else:
+        assert any(t.strided for t in tasks)  # column shards named whole, not row by row
 
 
 # -- real saves on 3 ranks ----------------------------------------------------------------------
