@@ -55,7 +55,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -286,9 +285,9 @@ def task_ranks(task: Any) -> set[int]:
     """The ranks whose staged objects a gathering task reads."""
     ranks: set[int] = set()
     if task.pieces:
-        ranks.update(np.frombuffer(zlib.decompress(task.pieces), dtype=np.int64)[0::4].tolist())
+        ranks.update(np.frombuffer(task.pieces, dtype=np.int64)[0::4].tolist())
     if task.strided:
-        ranks.update(np.frombuffer(zlib.decompress(task.strided), dtype=np.int64)[0 :: 3 + 2 * task.width].tolist())
+        ranks.update(np.frombuffer(task.strided, dtype=np.int64)[0 :: 3 + 2 * task.width].tolist())
     return ranks
 
 

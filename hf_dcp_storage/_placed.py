@@ -58,8 +58,8 @@ class PlacedChunks:
 
 
 def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
-    """(coordinator) The chunks ``dedup`` keeps, placed by ``layout``; linear but for one sort
-    (of nearly sorted data: a rank lists its keys in layout order)."""
+    """(coordinator) The chunks ``dedup`` keeps, placed by ``layout``; linear, but for a sort
+    when some rank lists its chunks out of output order."""
     keep = np.ones(len(g.key), dtype=bool)
     keep[dedup.dropped] = False
     rows = np.flatnonzero(keep)
@@ -89,11 +89,14 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
     position = file_base[file] + start
     span = int(file_base[-1]) + 1
     if len(rows) and (int(rank.max()) + 1) * span < 2**62:
-        order = np.argsort(rank * span + position, kind="stable")
+        sort_key = rank * span + position
+        # A rank lists its keys as the layout orders them (DCP keeps state-dict order): usually sorted already.
+        order = None if (sort_key[1:] >= sort_key[:-1]).all() else np.argsort(sort_key, kind="stable")
     else:
         order = np.lexsort((position, rank))
-    rank, key, file, start, nbytes = rank[order], key[order], file[order], start[order], nbytes[order]
-    offsets, sizes = offsets[order], sizes[order]
+    if order is not None:
+        rank, key, file, start, nbytes = rank[order], key[order], file[order], start[order], nbytes[order]
+        offsets, sizes = offsets[order], sizes[order]
     names = tuple(spec.key for spec in g.specs)
     return PlacedChunks(names, rank, key, file, start, nbytes, offsets, sizes, staged_offsets(rank, file, nbytes), shape, itemsize, tensor_start, ndim)
 

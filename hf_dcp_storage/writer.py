@@ -358,10 +358,13 @@ class HFStorageWriter(StorageWriter):
         layout = plan_layout(g.specs, max_shard_bytes=self.max_shard_bytes, fqn_to_index_mapping=self.fqn_to_index_mapping)
         self._layout, self._direct, self._items, self._uploads = layout, mode == "direct", {}, {}
         self._tables = (g.table_keys, g.table_of_rank)
-        s3, tasks = _plan_tasks(layout, mode, place_chunks(g, dedup, layout) if mode != "direct" else None, len(chunks))
+        tables = table_plans(g, layout, dedup)
+        placed = place_chunks(g, dedup, layout) if mode != "direct" else None
+        del g  # its per-chunk arrays (hundreds of MiB at thousands of ranks) are not needed further
+        s3, tasks = _plan_tasks(layout, mode, placed, len(chunks))
         self._s3_parts = s3.parts if s3 is not None else None
         self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
-        return layout, table_plans(g, layout, dedup), tasks
+        return layout, tables, tasks
 
     def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> list[dict[MetadataIndex, Placement]]:
         """(coordinator) Take ``layout`` and every rank's items as this save's plan, written in

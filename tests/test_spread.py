@@ -81,12 +81,12 @@ def test_every_gathered_s3_part_is_given_to_one_rank_and_the_bytes_are_balanced(
         assert isinstance(t, GatherTask)
         assert t.nbytes == gathers[(t.file, t.number)].nbytes  # its sources cover the part
     # Bytes each rank moves: its own (uploaded once), and its gathered parts (read and written).
-    # Tasks are ~5 MiB parts, so the balance is one task: the busiest rank moves at most one
+    # Tasks are ~16 MiB parts, so the balance is one task: the busiest rank moves at most one
     # gathered part (read and written) more than the idlest.
     moved = [own + 2 * sum(t.nbytes for t in ts) for own, ts in zip(bytes_per_rank(global_plan), tasks, strict=True)]
     largest = max(t.nbytes for ts in tasks for t in ts)
     assert max(moved) - min(moved) <= 2 * largest, f"moved per rank: {min(moved)}..{max(moved)} B, largest task {largest} B"
-    assert sum(1 for ts in tasks if ts) == 64  # the coordinator is one of 64, not the one
+    assert sum(1 for ts in tasks if ts) == min(64, len(gathers))  # the coordinator is one of them, not the one
     assert max(len(ts) for ts in tasks) <= -(-len(gathers) // 64) + 1
     assert all(p.storage_data.meet and p.storage_data.world == 64 for p in ours.rank_plans)
 
@@ -129,7 +129,7 @@ def _two_chunk_plans(world: int) -> list[SavePlan]:
 
 def _dtensor_plans(world: int) -> list[SavePlan]:
     """DCP's plans for FSDP x TP DTensors (uint8 here, so the bytes are easy to make)."""
-    shapes = [("wq", (1536, 2048)), ("w1", (3000, 1024)), ("w2", (1024, 3000)), ("norm", (1024,)), ("emb", (4096, 512))]
+    shapes = [("wq", (4096, 4096)), ("w1", (6000, 2048)), ("w2", (2048, 6000)), ("norm", (1024,)), ("emb", (8192, 1024))]
     plans = [rank_save_plan(shapes, Mesh(world // 2, 2), r, dtype=torch.uint8) for r in range(world)]
     return dcp_global_plan(plans, {})[0]
 
