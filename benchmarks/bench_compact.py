@@ -106,6 +106,10 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     # Stores without positioned writes: the chunks placed (staged offsets), then S3's parts and
     # gathering tasks or each file's merge task, spread over the ranks.
     placed = timed("place", lambda: place_chunks(g, dedup, layout) if mode != "direct" else None)
+    # As HFStorageWriter._plan_compact does: the per-chunk arrays go; the finish needs these.
+    rank_start, table_keys, table_of_rank, dropped = g.rank_start, g.table_keys, g.table_of_rank, len(dedup.dropped)
+    written = placed.bytes_per_rank(mesh.size) if placed is not None else dedup.bytes_per_rank
+    g = dedup = None  # type: ignore[assignment]
     s3, tasks = timed("tasks", lambda: _plan_tasks(layout, mode, placed, mesh.size))
     s3_parts = s3.parts if s3 is not None else None
     uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1} if s3_parts is not None else {}
@@ -125,18 +129,17 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     packed = []
     for r in range(mesh.size):
-        n = int(g.rank_start[r + 1] - g.rank_start[r]) - len(tables[r].skip)
-        rows = np.arange(n, dtype=np.int64) % len(g.table_keys[int(g.table_of_rank[r])])
+        n = int(rank_start[r + 1] - rank_start[r]) - len(tables[r].skip)
+        rows = np.arange(n, dtype=np.int64) % len(table_keys[int(table_of_rank[r])])
         packed.append(pickle.dumps([WriteResult(_PACKED, 0, _WrittenRows(rows, rng.integers(0, 2**32, n, dtype=np.uint32)))]))
     results = timed("results_gather", lambda: [pickle.loads(b) for b in packed])
-    writer._tables = (g.table_keys, g.table_of_rank)
+    writer._tables = (table_keys, table_of_rank)
     checksums = timed("checksums", lambda: writer._checksums(layout, results))
     timed("metadata", lambda: _whole_tensors(layout))
     index = timed("index", lambda: _json_bytes({"metadata": {"total_size": layout.total_size, "checksums": {k: f"{v:08x}" for k, v in sorted(checksums.items())}}, "weight_map": dict(sorted(layout.weight_map.items()))}))
     out["coordinator_peak_mib"] = (_status_kib("VmHWM") - base) / 1024
     # The gather buffer: the simulation held the pickles before the baseline, a real coordinator receives them.
     out["coordinator_peak_with_buffer_mib"] = out["coordinator_peak_mib"] + out["gather_buffer_bytes"] / 2**20
-    written = dedup.bytes_per_rank
     out.update(
         phases=t,
         planning_s=sum(t[p] for p in PLANNING),
@@ -147,7 +150,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         storage_data_bytes_max=max(storage_sizes),
         result_bytes_max=max(map(len, packed)),
         written_max_over_mean=float(written.max() / written.mean()),
-        dropped=len(dedup.dropped),
+        dropped=dropped,
     )
     # Load planning of the same checkpoint on N/2 ranks: read_metadata, local plans, what DCP gathers.
     rep = _Reporter()
@@ -255,10 +258,15 @@ def main() -> None:
     ap.add_argument("--mode", default="direct", help="direct (local disk), staged (stores without positioned writes), s3; comma-separated")
     ap.add_argument("--md-out")
     ap.add_argument("--json-out")
+    ap.add_argument("--from-json", nargs="+", help="only print the tables of earlier --json-out files")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(run_case(json.loads(args.child))))
+        return
+    if args.from_json:
+        runs = [json.loads(line) for path in args.from_json for line in Path(path).read_text().splitlines() if line]
+        report([*table(runs), "", *finishing_table(runs)], runs, None, args.md_out)
         return
     runs = []
     for model, world in _parse_cases(args.cases):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._layout import Layout
-from ._placed import PlacedChunks, staged_offsets
+from ._placed import PlacedChunks, stable_order, staged_offsets
 from ._s3parts import GatherPart, RankPart, plan_file_parts
 from ._spread import GatherTask, file_tensors
 
@@ -50,13 +50,13 @@ def plan_s3(placed: PlacedChunks, layout: Layout) -> S3Plan:
     row = np.flatnonzero(~strided & (placed.nbytes > 0))
     mixed_keys = np.unique(placed.key[strided])
     key_bytes = np.array([np.prod(s[: n]) for s, n in zip(placed.shape[mixed_keys].tolist(), placed.ndim[mixed_keys].tolist(), strict=True)], dtype=np.int64) * placed.itemsize[mixed_keys]
-    key_file = np.array([layout.file_of[placed.key_names[k]] for k in mixed_keys.tolist()], dtype=np.int64)
-    run_file = np.concatenate((placed.file[row], key_file))
+    run_file = np.concatenate((placed.file[row], placed.key_file[mixed_keys]))
     run_start = np.concatenate((placed.start[row], placed.tensor_start[mixed_keys]))
     run_bytes = np.concatenate((placed.nbytes[row], key_bytes))
     run_rank = np.concatenate((placed.rank[row], np.full(len(mixed_keys), -1, dtype=np.int64)))
-    order = np.argsort(file_base[run_file] + run_start, kind="stable")
+    order = _file_order(run_file, run_start, np.concatenate((placed.key[row], mixed_keys)), placed, file_base)
     run_file, run_start, run_bytes, run_rank = run_file[order], run_start[order], run_bytes[order], run_rank[order]
+    del order
     # Neighbouring runs of one rank join (a rank's small tensors side by side, a one-rank save).
     new = np.ones(len(run_file), dtype=bool)
     new[1:] = (run_file[1:] != run_file[:-1]) | (run_rank[1:] != run_rank[:-1]) | (run_rank[1:] < 0)
@@ -69,6 +69,20 @@ def plan_s3(placed: PlacedChunks, layout: Layout) -> S3Plan:
         a, b = bounds[f], bounds[f + 1]
         parts.append(plan_file_parts(len(plan.header), plan.size, run_start[a:b], run_bytes[a:b], run_rank[a:b]))
     return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, file_base))
+
+
+def _file_order(file: np.ndarray, start: np.ndarray, key: np.ndarray, placed: PlacedChunks, file_base: np.ndarray) -> np.ndarray:
+    """The order of runs (chunks of ``key``s, listed rank after rank) in output order: by key in
+    output order (a radix sort), which puts them in order already when each key's chunks come
+    rank after rank in output order (row shards: FSDP); else a full sort."""
+    key_at = file_base[placed.key_file] + placed.tensor_start
+    key_ordinal = np.empty(len(key_at), dtype=np.int64)
+    key_ordinal[np.argsort(key_at, kind="stable")] = np.arange(len(key_at))
+    order = stable_order(key_ordinal[key])
+    position = file_base[file] + start
+    if len(order) > 1 and not (position[order][1:] > position[order][:-1]).all():
+        order = np.argsort(position, kind="stable")
+    return order
 
 
 def _strided(placed: PlacedChunks) -> np.ndarray:
@@ -106,16 +120,18 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     chunk = np.repeat(np.arange(len(lo)), count)
     part = first[chunk] + (np.arange(len(chunk)) - np.repeat(np.cumsum(count) - count, count))
     col = strided[chunk]
-    a = np.where(col, lo[chunk], np.maximum(lo[chunk], p_lo[np.minimum(part, len(p_lo) - 1)]))
-    b = np.where(col, hi[chunk], np.minimum(hi[chunk], p_hi[np.minimum(part, len(p_lo) - 1)]))
-    staged = col | p_gather[np.minimum(part, len(p_lo) - 1)]
-    chunk, part, col, a, b = chunk[staged], part[staged], col[staged], a[staged], b[staged]
-    offset = staged_offsets(placed.rank[chunk], placed.file[chunk], b - a)
+    in_part = np.minimum(part, len(p_lo) - 1)  # a column-sharded chunk's ``part`` means nothing
+    staged = col | p_gather[in_part]
+    chunk, part, in_part, col = chunk[staged], part[staged], in_part[staged], col[staged]
+    a = np.where(col, lo[chunk], np.maximum(lo[chunk], p_lo[in_part]))
+    nbytes = np.where(col, hi[chunk], np.minimum(hi[chunk], p_hi[in_part])) - a
+    offset = staged_offsets(placed.rank[chunk], placed.file[chunk], nbytes)
     # Row-sharded pieces by part.
     rows = np.flatnonzero(~col)
-    by_part = rows[np.argsort(part[rows], kind="stable")]
+    by_part = rows[stable_order(part[rows])]
     piece_bounds = np.searchsorted(part[by_part], np.arange(len(flat) + 1))
-    pieces = np.ascontiguousarray(np.stack((placed.rank[chunk[by_part]], a[by_part] - file_base[placed.file[chunk[by_part]]], offset[by_part], b[by_part] - a[by_part]), axis=1), dtype=np.int64)
+    of = chunk[by_part]
+    pieces = np.stack((placed.rank[of], a[by_part] - file_base[placed.file[of]], offset[by_part], nbytes[by_part]), axis=1)
     # Column-sharded chunks: every part their first to last byte reaches.
     cols = np.flatnonzero(col)
     c = chunk[cols]
@@ -124,7 +140,7 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     c_count = np.searchsorted(p_lo, extent_hi, side="left") - c_first
     which = np.repeat(np.arange(len(c)), c_count)
     c_part = c_first[which] + (np.arange(len(which)) - np.repeat(np.cumsum(c_count) - c_count, c_count))
-    o = np.argsort(c_part, kind="stable")
+    o = stable_order(c_part)
     which, c_part = which[o], c_part[o]
     col_bounds = np.searchsorted(c_part, np.arange(len(flat) + 1))
     in_file, tensors = file_tensors(layout, placed.key_names)
