@@ -29,6 +29,7 @@ __all__ = [
     "MAX_PARTS",
     "RANK_PART_BYTES",
     "GATHER_PART_BYTES",
+    "gather_part_bytes",
     "RankPart",
     "GatherPart",
     "plan_file_parts",
@@ -42,10 +43,20 @@ MAX_PARTS = 10_000
 # Size of the parts a rank uploads (a long run is cut into parts about this big): a few of them
 # in flight per rank stay well inside the memory budget; grown only for the part-count limit.
 RANK_PART_BYTES = 16 << 20
-# Size of the gathered parts (each one task for one rank: fetch the staged ranges, upload): 3x
-# fewer tasks and uploads than at the 5 MiB minimum (50,000 instead of 155,000 at 405B), and
-# still about 20 tasks a rank at 1,024 ranks, so spreading them stays even.
+# Largest size of the gathered parts (each one task for one rank: fetch the staged ranges,
+# upload): up to 3x fewer tasks and uploads than at the 5 MiB minimum (48,000 instead of 155,000
+# at 405B). ``gather_part_bytes`` picks the size per save.
 GATHER_PART_BYTES = 16 << 20
+
+
+def gather_part_bytes(total: int, world: int) -> int:
+    """Size of a save's gathered parts: small enough that the work spreads evenly, as large as
+    that allows (fewer tasks, fewer requests). Ranks' loads end within one task of each other
+    (``_spread.assign``) and a task counts twice its size, so with every byte gathered the busiest
+    rank moves at most ``1 + 2 * part / (3 * share)`` times the mean (``share``: a rank's own
+    bytes, ``total / world``); a part of 3/40 of the share keeps that under 1.05. Between S3's
+    5 MiB minimum and ``GATHER_PART_BYTES``."""
+    return int(min(GATHER_PART_BYTES, max(MIN_PART_BYTES, 3 * total // (40 * max(1, world)))))
 
 
 @dataclass(frozen=True)

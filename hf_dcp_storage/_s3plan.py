@@ -22,7 +22,7 @@ import numpy as np
 
 from ._layout import Layout
 from ._placed import PlacedChunks, stable_order, staged_offsets
-from ._s3parts import GatherPart, RankPart, plan_file_parts
+from ._s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
 from ._spread import GatherTask, file_tensors
 
 __all__ = ["S3Plan", "plan_s3"]
@@ -36,8 +36,8 @@ class S3Plan:
     tasks: list[GatherTask]
 
 
-def plan_s3(placed: PlacedChunks, layout: Layout) -> S3Plan:
-    """(coordinator) Plan an S3 save's parts and gathering tasks. Pure.
+def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
+    """(coordinator) Plan an S3 save's parts and gathering tasks over ``world`` ranks. Pure.
 
     Raises:
         ValueError: a file needs more than S3's 10,000 parts.
@@ -64,10 +64,11 @@ def plan_s3(placed: PlacedChunks, layout: Layout) -> S3Plan:
     run_file, run_start, run_rank = run_file[heads], run_start[heads], run_rank[heads]
     run_bytes = np.add.reduceat(run_bytes, heads) if len(heads) else run_bytes[:0]
     bounds = np.searchsorted(run_file, np.arange(nfiles + 1))
+    gather_part = gather_part_bytes(int(placed.nbytes.sum()), world)
     parts = []
     for f, plan in enumerate(layout.files):
         a, b = bounds[f], bounds[f + 1]
-        parts.append(plan_file_parts(len(plan.header), plan.size, run_start[a:b], run_bytes[a:b], run_rank[a:b]))
+        parts.append(plan_file_parts(len(plan.header), plan.size, run_start[a:b], run_bytes[a:b], run_rank[a:b], gather_part=gather_part))
     return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, file_base))
 
 

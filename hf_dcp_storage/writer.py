@@ -375,7 +375,7 @@ class HFStorageWriter(StorageWriter):
         self._layout = layout
         self._direct = mode == "direct"
         self._items = {item.index: item for plan in plans for item in plan.items}
-        s3 = plan_s3(place_written(layout, plans), layout) if mode == "s3" else None
+        s3 = plan_s3(place_written(layout, plans), layout, len(plans)) if mode == "s3" else None
         self._s3_parts = s3.parts if s3 is not None else None
         self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
         self._uploads = dict(uploads or {})
@@ -898,7 +898,7 @@ def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: i
     own = placed.bytes_per_rank(world).tolist()
     if mode == "staged":
         return None, _assign_tasks(list(merge_tasks(placed, layout)), own)
-    s3 = plan_s3(placed, layout)
+    s3 = plan_s3(placed, layout, world)
     return s3, _assign_tasks(list(s3.tasks), own)
 
 

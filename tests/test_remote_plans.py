@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hf_dcp_storage._layout import chunk_runs
-from hf_dcp_storage._s3parts import MAX_PART_BYTES, MIN_PART_BYTES, GatherPart, RankPart, plan_file_parts, route_run
+from hf_dcp_storage._s3parts import GATHER_PART_BYTES, MAX_PART_BYTES, MIN_PART_BYTES, GatherPart, RankPart, gather_part_bytes, plan_file_parts, route_run
+from hf_dcp_storage._spread import assign
 from hf_dcp_storage.reader import coalesce
 
 MiB = 2**20
@@ -89,6 +90,19 @@ def test_mixed_runs_are_gathered_and_gathers_split_evenly() -> None:
     gathered = [p for p in parts if isinstance(p, GatherPart)]
     assert len(gathered) == 3 and sum(p.nbytes for p in gathered) == 53 * MiB
     assert max(p.nbytes for p in gathered) - min(p.nbytes for p in gathered) <= 1
+
+
+def test_gathered_parts_are_sized_so_the_busiest_rank_moves_at_most_5_percent_over_the_mean() -> None:
+    assert gather_part_bytes(15 << 30, 1024) == MIN_PART_BYTES  # 15 MiB a rank: S3's minimum
+    assert gather_part_bytes(1 << 40, 64) == GATHER_PART_BYTES  # 16 GiB a rank: the largest
+    assert gather_part_bytes(131 << 30, 1024) == 3 * (131 << 30) // (40 * 1024)  # 131 MiB a rank: 9.8 MiB
+    for total, world in ((131 << 30, 1024), (40 << 30, 512), (756 << 30, 8192)):
+        share, part = total // world, gather_part_bytes(total, world)
+        sizes = [part] * (total // part)  # every byte gathered
+        moved = [share] * world
+        for size, rank in zip(sizes, assign(sizes, [share] * world), strict=True):
+            moved[rank] += 2 * size
+        assert max(moved) / (sum(moved) / world) <= 1.05, (total, world, part)
 
 
 def test_long_runs_are_cut_near_16_mib_and_huge_files_keep_under_the_part_limit() -> None:
