@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import _fake_upload_id, _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib, report, task_ranks  # noqa: E402
+from bench_scale import _case_name, _fake_upload_id, _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib, report, task_ranks  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
@@ -221,15 +221,10 @@ def finishing_table(runs: list[dict[str, Any]]) -> list[str]:
         parts = f"{w['rank_parts']:,} / {w['gather_parts']:,}" if "rank_parts" in w else "(one merge per file)"
         requests = f"{w['requests_max']:,} / {w['requests_mean']:,.0f}" if "requests_max" in w else ""
         lines.append(
-            f"| {_case(run['spec'])} | {run['spec'].get('mode', 'direct')} | {parts} | {w['tasks']:,} | {_fmt_bytes(w['assembled_bytes'])} ({w['assembled_share']:.0%}) | "
+            f"| {_case_name(run['spec'])} | {run['spec'].get('mode', 'direct')} | {parts} | {w['tasks']:,} | {_fmt_bytes(w['assembled_bytes'])} ({w['assembled_share']:.0%}) | "
             f"{_fmt_bytes(w['assembled_max'])} | {_fmt_bytes(w['assembled_by_coordinator'])} | {w['assemblers']:,} | {w['moved_max_over_mean']:.3f} | {requests} | {_fmt_bytes(w['task_bytes_max'])} |"
         )
     return lines
-
-
-def _case(spec: dict[str, Any]) -> str:
-    mesh = f"{spec['world'] // spec['tp']}x{spec['tp']}" if spec["tp"] > 1 else str(spec["world"])
-    return f"{spec['model']} / {mesh}"
 
 
 def table(runs: list[dict[str, Any]]) -> list[str]:
@@ -238,11 +233,11 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
     for run in runs:
         spec, r = run["spec"], run.get("result")
         if r is None:
-            lines.append(f"| {_case(spec)} | {spec.get('mode', 'direct')} | {run['error']} |")
+            lines.append(f"| {_case_name(spec)} | {spec.get('mode', 'direct')} | {run['error']} |")
             continue
         cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in PHASES]
         lines.append(
-            f"| {_case(spec)} | {spec.get('mode', 'direct')} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
+            f"| {_case_name(spec)} | {spec.get('mode', 'direct')} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
             f"{_fmt_bytes(r['coordinator_peak_mib'] * 2**20)} (+{_fmt_bytes(r['gather_buffer_bytes'])}) | {_fmt_bytes(r['sent_bytes_max'])} | "
             f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | {r['written_max_over_mean']:.3f} | "
             f"{r['read_metadata_s'] * 1e3:.0f} ms, {r['load_plan_s'] * 1e3:.0f} ms | {_fmt_bytes(r['load_plan_bytes_max'])} / {_fmt_bytes(r['load_plan_sent_bytes_max'])} |"

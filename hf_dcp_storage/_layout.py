@@ -161,21 +161,12 @@ def chunk_runs(
     offsets, where ``chunk_byte_offset`` indexes the chunk's own row-major bytes. A row shard
     (``Shard(0)``) is one run; a column shard of a matrix is one run per row.
     """
-    ndim = len(shape)
     if any(s == 0 for s in sizes):
         return
-    if ndim == 0:
+    if not shape:
         yield 0, 0, itemsize
         return
-    # k: the outermost dim of the longest suffix that the chunk covers fully (plus one partial dim).
-    k = ndim - 1
-    while k > 0 and sizes[k] == shape[k]:
-        k -= 1
-    strides = [1] * ndim
-    for d in range(ndim - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    run = sizes[k] * strides[k] * itemsize
-    base = sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
+    k, strides, run, base = _run_geometry(shape, offsets, sizes, itemsize)
     outer = [range(n) for n in sizes[:k]]
     outer_strides = [s * itemsize for s in strides[:k]]
     chunk_pos = 0
@@ -187,22 +178,29 @@ def chunk_runs(
 def chunk_runs_array(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int) -> tuple[np.ndarray, np.ndarray, int]:
     """``chunk_runs`` as arrays: ``(tensor_byte_offsets, chunk_byte_offsets, run_bytes)``, every
     run being ``run_bytes`` long (int64 arrays, ascending; empty for an empty chunk)."""
-    ndim = len(shape)
     if any(s == 0 for s in sizes):
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0
-    if ndim == 0:
+    if not shape:
         return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), itemsize
+    k, strides, run, base = _run_geometry(shape, offsets, sizes, itemsize)
+    starts = np.array([base], dtype=np.int64)
+    for d in range(k):  # row-major over the outer dims: the runs' order
+        starts = (starts[:, None] + np.arange(sizes[d], dtype=np.int64) * (strides[d] * itemsize)).ravel()
+    return starts, np.arange(len(starts), dtype=np.int64) * run, run
+
+
+def _run_geometry(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int) -> tuple[int, list[int], int, int]:
+    """``(k, strides, run_bytes, first_byte)`` of a non-empty chunk of a tensor of 1+ dims: ``k``
+    is the outermost dim of the longest suffix the chunk covers fully (plus one partial dim), so
+    its runs are indexed by its dims before ``k``; ``strides`` in elements."""
+    ndim = len(shape)
     k = ndim - 1
     while k > 0 and sizes[k] == shape[k]:
         k -= 1
     strides = [1] * ndim
     for d in range(ndim - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    run = sizes[k] * strides[k] * itemsize
-    starts = np.array([sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize], dtype=np.int64)
-    for d in range(k):  # row-major over the outer dims: the runs' order
-        starts = (starts[:, None] + np.arange(sizes[d], dtype=np.int64) * (strides[d] * itemsize)).ravel()
-    return starts, np.arange(len(starts), dtype=np.int64) * run, run
+    return k, strides, sizes[k] * strides[k] * itemsize, sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
 
 
 def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
