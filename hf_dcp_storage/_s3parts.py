@@ -110,10 +110,11 @@ def plan_file_parts(
     several ranks interleaved (a column-sharded tensor), which are always gathered. A run of at
     least ``min_part`` bytes becomes its rank's parts of about ``rank_part`` bytes; the bytes
     between such runs are cut evenly into gathered parts of about ``gather_part`` bytes, at
-    least ``min_part`` (but the file's last part); a gap under ``min_part`` before a big run takes that run's first bytes to
-    reach it, or, if too little would be left, the whole run. A gathered part whose bytes (the
-    header aside) all belong to one rank is that rank's to send. Pure; a Python step per big
-    run and per part, numpy per run, so a file of a million small runs costs little.
+    least ``min_part`` (but the file's last part); a gap under ``min_part`` before a big run
+    takes that run's first bytes to reach it, or, if too little would be left, the whole run. A
+    gathered part whose bytes (the header aside) all belong to one rank is that rank's to send.
+    Pure; a Python step per big run and per part, numpy per run, so a file of a million small
+    runs costs little.
 
     Raises:
         ValueError: the runs do not tile the file, or the file needs more than 10,000 parts.

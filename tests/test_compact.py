@@ -25,6 +25,7 @@ from _dist import run_ranks  # noqa: E402
 from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, encode_local, gather, table_plans  # noqa: E402
 from hf_dcp_storage._layout import collect_tensor_specs, place_items, plan_layout  # noqa: E402
+from hf_dcp_storage._placed import stable_order  # noqa: E402
 
 UNEVEN = LlamaConfig(layers=2, hidden=7, intermediate=10, kv_dim=3, vocab=11)
 
@@ -204,3 +205,9 @@ def test_a_key_mapping_collision_across_ranks_is_still_caught(tmp_path: Path) ->
     run_ranks(_collide_across_ranks, 2, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
     assert not list((tmp_path / "ckpt").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("top", [7, 2**16 - 1, 2**20, 2**33])
+def test_stable_order_is_numpys_stable_argsort(top: int) -> None:
+    values = np.random.default_rng(top).integers(0, top + 1, size=50_000)
+    assert np.array_equal(stable_order(values), np.argsort(values, kind="stable"))
