@@ -38,7 +38,6 @@ from ._layout import (
     chunk_runs,
     element_size,
     parse_size,
-    place_items,
     plan_layout,
 )
 from ._parallel import parallel_map
@@ -49,7 +48,7 @@ from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quie
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
 from ._s3plan import S3Plan, plan_s3
 from ._slabs import as_bytes, slab_bounds, sub_chunk
-from ._placed import PlacedChunks, place_chunks, place_items as place_written
+from ._placed import PlacedChunks, place_chunks, place_items
 from ._spread import GatherTask, MergeTask, assign, merge_tasks
 from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
@@ -69,8 +68,8 @@ class _RankPlan:
     files: tuple[str, ...]
     placements: Mapping[MetadataIndex, Placement]
     s3: _S3RankPlan | None = None
-    # Compact plans (direct mode): placements per row of the rank's key table, which the rank
-    # turns into ``placements`` for the write items it kept (``_compact.py``).
+    # Where each row of the rank's key table goes, which the rank turns into ``placements`` for
+    # the write items it kept (``_compact.py``); set by every save.
     table: TablePlan | None = None
     # The save's finishing work this rank does once every rank has staged (``_spread.py``), and
     # whether the ranks meet before it (on a save of several ranks where any rank has tasks).
@@ -135,13 +134,14 @@ class HFStorageWriter(StorageWriter):
     Call sequence (DCP drives it):
 
     1. (all ranks) ``prepare_local_plan``: rejects non-tensor values and unsupported dtypes
-       before anything is written. On local disk the rank keeps its write items and sends only
-       their chunks, as arrays (``_compact.py``): the coordinator's planning then costs
-       microseconds per rank, not DCP's object gather and pairwise overlap check.
+       before anything is written. The rank keeps its write items and sends only their chunks,
+       as arrays (``_compact.py``): the coordinator's planning then costs microseconds per rank,
+       not DCP's object gather and pairwise overlap check.
     2. (coordinator) ``prepare_global_plan``: computes the complete layout from every rank's
-       write items (file of each key, headers, byte position of every chunk; on local disk it
-       also checks that each tensor's chunks tile it and picks one writer per replicated chunk,
-       spreading them by bytes), refuses to replace a complete checkpoint unless
+       chunks (file of each key, headers, byte position of every chunk; it checks that each
+       tensor's chunks tile it and picks one writer per replicated chunk, spreading them by
+       bytes; without positioned writes it places every chunk in its rank's staged objects and
+       spreads the finishing work, ``_placed.py``, ``_spread.py``), refuses to replace a complete checkpoint unless
        ``overwrite=True``, and on local disk creates every file at its final size with its
        header; on S3 it plans every file's multipart parts and creates the uploads. It records
        the plan in ``.hf_dcp_staging/save.json`` (``_staging.py``).
@@ -366,29 +366,23 @@ class HFStorageWriter(StorageWriter):
         self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
         return layout, tables, tasks
 
-    def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> list[dict[MetadataIndex, Placement]]:
+    def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> None:
         """(coordinator) Take ``layout`` and every rank's items as this save's plan, written in
         ``mode`` (``direct``, ``staged`` or ``s3``): what ``finish`` works from. No I/O. Also used to
-        finish an interrupted save from its records (``uploads``: the ids it created). Returns
-        each rank's placements."""
-        placements = place_items(layout, plans)
+        finish an interrupted save from its records (``uploads``: the ids it created)."""
         self._layout = layout
         self._direct = mode == "direct"
         self._items = {item.index: item for plan in plans for item in plan.items}
-        s3 = plan_s3(place_written(layout, plans), layout, len(plans)) if mode == "s3" else None
+        s3 = plan_s3(place_items(layout, plans), layout, len(plans)) if mode == "s3" else None
         self._s3_parts = s3.parts if s3 is not None else None
         self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
         self._uploads = dict(uploads or {})
         self._tables = None
-        return placements
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Write this rank's bytes: in place on local disk, else staged objects; then
         record what was written (the save's ``rank{r}.json``), so an interrupted save can be finished."""
-        rank_plan: _RankPlan = plan.storage_data
-        items = plan.items
-        if rank_plan.table is not None:
-            items, rank_plan = self._unpack_table(rank_plan)
+        items, rank_plan = self._unpack_table(plan.storage_data)
         try:
             results = self._write_own(items, rank_plan, planner)
         except BaseException:
@@ -405,8 +399,7 @@ class HFStorageWriter(StorageWriter):
                     f"ranks {shown} of {rank_plan.world} failed to write their bytes (their errors tell why), so "
                     f"rank {rank_plan.rank} gathers nothing and the save fails; the checkpoint at {self.checkpoint_id!s} is not committed"
                 )
-        if rank_plan.table is not None:
-            results = self._pack_results(items, results)
+        results = self._pack_results(items, results)
         if rank_plan.tasks:
             results.append(self._finish_tasks(rank_plan))
         if not self.is_coordinator:
@@ -468,12 +461,14 @@ class HFStorageWriter(StorageWriter):
         return WriteResult(_FINISHED, nbytes, _Finished({f: tuple(e) for f, e in parts.items()}, tuple(merged), nbytes))
 
     def _unpack_table(self, rank_plan: _RankPlan) -> tuple[list[WriteItem], _RankPlan]:
-        """(each rank, compact plans) The write items this rank kept, with their placements."""
-        if self._local is None:
-            raise RuntimeError("HFStorageWriter.write_data got a compact plan, but this rank's prepare_local_plan did not make one")
-        all_items, local = self._local
+        """(each rank) The write items this rank kept, with their placements."""
         table = rank_plan.table
-        assert table is not None
+        if self._local is None or table is None:
+            raise RuntimeError(
+                "HFStorageWriter.write_data needs the compact plan this rank's prepare_local_plan made and the table "
+                "prepare_global_plan sent back; a planner that replaces SavePlan.storage_data breaks that"
+            )
+        all_items, local = self._local
         keep = np.ones(len(all_items), dtype=bool)
         keep[table.skip] = False
         rows = local.rows[:, 0]

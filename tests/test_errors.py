@@ -24,6 +24,17 @@ def test_non_tensor_values_are_listed_before_anything_is_created(tmp_path) -> No
     assert not os.path.exists(url)
 
 
+def test_a_plan_without_its_chunks_is_refused_before_anything_is_created(tmp_path) -> None:
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    writer = HFStorageWriter(str(tmp_path / "ck"))
+    writer.set_up_storage_writer(True)
+    sent = writer.prepare_local_plan(SavePlan([]))
+    with pytest.raises(RuntimeError, match=r"1 of 2 ranks sent no compact plan: HFStorageWriter.prepare_local_plan must be the last step"):
+        writer.prepare_global_plan([sent, SavePlan([], storage_data=("w",))])
+    assert not (tmp_path / "ck").exists()
+
+
 def test_unsupported_dtype_is_named_before_anything_is_created(tmp_path) -> None:
     url = str(tmp_path / "ck")
     with raises_in_checkpoint(ValueError, r"dtype torch.complex128 of 'z' cannot be stored in safetensors"):
