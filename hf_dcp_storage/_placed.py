@@ -80,7 +80,7 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
     tensor_start = np.array([layout.tensor_start[s.key] for s in g.specs], dtype=np.int64)
     file_of = np.array([layout.file_of[s.key] for s in g.specs], dtype=np.int64)
     key, rank = g.key[rows], g.rank[rows]
-    offsets, sizes = g.offsets[rows], g.sizes[rows]
+    offsets, sizes = np.take(g.offsets, rows, axis=0), np.take(g.sizes, rows, axis=0)  # np.take: faster than fancy indexing for 2-D rows
     real = np.arange(width) < ndim[key][:, None]
     nbytes = np.where(real, sizes, 1).prod(axis=1) * itemsize[key]
     start = tensor_start[key] + (offsets * strides[key]).sum(axis=1) * itemsize[key]
@@ -97,7 +97,7 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
         order = np.lexsort((position, rank))
     if order is not None:
         rank, key, file, start, nbytes = rank[order], key[order], file[order], start[order], nbytes[order]
-        offsets, sizes = offsets[order], sizes[order]
+        offsets, sizes = np.take(offsets, order, axis=0), np.take(sizes, order, axis=0)
     names = tuple(spec.key for spec in g.specs)
     return PlacedChunks(names, rank, key, file, start, nbytes, offsets, sizes, staged_offsets(rank, file, nbytes), shape, itemsize, tensor_start, file_of, ndim)
 

@@ -138,6 +138,74 @@ def test_chunks_that_do_not_tile_are_refused(shape: tuple[int, int], boxes: list
     assert f"'t' {list(shape)}" in str(err.value) or "'t'" in str(err.value)
 
 
+def _guillotine(rng: np.random.Generator, offsets: tuple[int, ...], sizes: tuple[int, ...], grid: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A random exact tiling of the box: a grid (every dimension cut at the same points
+    throughout), or cut recursively along random dimensions (bands of different cuts)."""
+    if grid:
+        cuts = [sorted({0, n, *rng.integers(1, max(n, 2), rng.integers(0, 3)).tolist()} - {n} | {n}) if n > 1 else [0, n] for n in sizes]
+        cells: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
+        for d, c in enumerate(cuts):
+            cells = [(o + (offsets[d] + a,), s + (b - a,)) for o, s in cells for a, b in zip(c, c[1:])]
+        return cells
+    splittable = [d for d, n in enumerate(sizes) if n > 1]
+    if not splittable or rng.random() < 0.3:
+        return [(offsets, sizes)]
+    d = int(rng.choice(splittable))
+    cut = int(rng.integers(1, sizes[d]))
+    lo_s = sizes[:d] + (cut,) + sizes[d + 1 :]
+    hi_o, hi_s = offsets[:d] + (offsets[d] + cut,) + offsets[d + 1 :], sizes[:d] + (sizes[d] - cut,) + sizes[d + 1 :]
+    return _guillotine(rng, offsets, lo_s, False) + _guillotine(rng, hi_o, hi_s, False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tiling_check_agrees_with_counting_every_element(seed: int) -> None:
+    """Random tilings (grids and bands cut differently), some broken (a box dropped, grown or
+    moved), replicated on several ranks, listed in mesh order or shuffled, several keys in one
+    save: refused exactly when some element is not covered once, naming the right key; accepted
+    ones keep each distinct chunk once."""
+    rng = np.random.default_rng(seed)
+    for trial in range(30):
+        world = int(rng.integers(1, 5))
+        ranks: list[list[WriteItem]] = [[] for _ in range(world)]
+        broken: list[str] = []
+        expected: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
+        for k in range(int(rng.integers(1, 4))):
+            shape = tuple(int(x) for x in rng.integers(1, 6, int(rng.integers(1, 4))))
+            boxes = _guillotine(rng, (0,) * len(shape), shape, grid=bool(rng.random() < 0.5))
+            if rng.random() < 0.5:  # break it
+                i = int(rng.integers(len(boxes)))
+                o, s = boxes[i]
+                d = int(rng.integers(len(shape)))
+                how = rng.integers(3)
+                if how == 0 and len(boxes) > 1:
+                    boxes.pop(i)
+                elif how == 1 and o[d] + s[d] < shape[d]:
+                    boxes[i] = (o, s[:d] + (s[d] + 1,) + s[d + 1 :])
+                elif o[d] > 0:
+                    boxes[i] = (o[:d] + (o[d] - 1,) + o[d + 1 :], s)
+            count = np.zeros(shape, dtype=np.int64)
+            for o, s in set(boxes):
+                count[tuple(slice(a, a + n) for a, n in zip(o, s, strict=True))] += 1
+            if not (count == 1).all():
+                broken.append(f"t{k}")
+            expected |= {(f"t{k}", o, s) for o, s in boxes}
+            for o, s in boxes:  # each box on one to all ranks (replicated)
+                for r in rng.choice(world, size=int(rng.integers(1, world + 1)), replace=False).tolist():
+                    ranks[r].append(_item(f"t{k}", shape, o, s))
+        for items in ranks:
+            if rng.random() < 0.5:
+                rng.shuffle(items)  # type: ignore[arg-type]
+        ranks = [items for items in ranks if items] or [[]]
+        if broken:
+            with pytest.raises(ValueError, match="do not cover it exactly once") as err:
+                _plan(ranks)
+            assert any(f"of '{key}'" in str(err.value) for key in broken), (trial, broken, str(err.value))
+        else:
+            g, dedup = _plan(ranks)
+            written = _written(g, dedup)
+            assert sorted(w[1:] for w in written) == sorted(expected), trial
+
+
 def test_a_key_with_two_shapes_across_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match=r"'w' is torch.float32\[4, 4\] on one rank and torch.float32\[4, 5\] on another"):
         _plan([[_item("w", (4, 4), (0, 0), (2, 4))], [_item("w", (4, 5), (2, 0), (2, 5))]])
