@@ -23,17 +23,18 @@ import numpy as np
 from ._layout import Layout
 from ._placed import PlacedChunks, stable_order, staged_offsets
 from ._s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
-from ._spread import GatherTask, file_tensors
+from ._spread import GatherTasks, file_tensors
 
 __all__ = ["S3Plan", "plan_s3"]
 
 
 @dataclass(frozen=True)
 class S3Plan:
-    """Every file's parts (``parts[f]``, numbered from 1 in file order) and a task per gathered part."""
+    """Every file's parts (``parts[f]``, numbered from 1 in file order) and the gathered ones'
+    tasks, in file order."""
 
     parts: list[list[RankPart | GatherPart]]
-    tasks: list[GatherTask]
+    tasks: GatherTasks
 
 
 def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
@@ -88,76 +89,97 @@ def _file_order(file: np.ndarray, start: np.ndarray, key: np.ndarray, placed: Pl
 
 def _strided(placed: PlacedChunks) -> np.ndarray:
     """Per chunk: whether its tensor has a chunk of several runs (a column shard), so the whole
-    tensor is gathered."""
-    shape = placed.shape[placed.key]
-    width = shape.shape[1]
-    not_full = placed.sizes != shape  # padded dims are 0 == 0: full
-    last = np.where(not_full.any(axis=1), width - 1 - np.argmax(not_full[:, ::-1], axis=1), -1)
-    outer = np.arange(width) < last[:, None]
-    several = (outer & (placed.sizes != 1)).any(axis=1) & (placed.nbytes > 0)
+    tensor is gathered. A chunk is several runs when it is cut in some dimension and holds more
+    than one index of an earlier one; a column at a time, from the last dimension."""
+    several = np.zeros(len(placed.key), dtype=bool)
+    cut_after = np.zeros(len(placed.key), dtype=bool)  # not whole in some later dimension
+    for d in range(placed.offsets.shape[1] - 1, -1, -1):
+        size = placed.sizes[:, d]
+        several |= cut_after & (size != 1)
+        cut_after |= size != placed.shape[:, d][placed.key]  # padded dims: 0 == 0, whole
+    several &= placed.nbytes > 0
     mixed = np.zeros(len(placed.shape), dtype=bool)
     mixed[placed.key[several]] = True
     return mixed[placed.key]
 
 
-def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPart | GatherPart]], strided: np.ndarray, file_base: np.ndarray) -> list[GatherTask]:
-    """A task per gathered part: the header's bytes in it, the staged pieces of row-sharded
-    chunks in it, and the column-sharded chunks that reach into it."""
-    flat = [(f, p) for f, ps in enumerate(parts) for p in ps]
-    if not any(isinstance(p, GatherPart) for _, p in flat):
-        return []
+def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPart | GatherPart]], strided: np.ndarray, file_base: np.ndarray) -> GatherTasks:
+    """The gathered parts, in file order, with what each holds: the header's bytes in it, the
+    staged pieces of row-sharded chunks in it, and the column-sharded chunks that reach into it."""
+    flat = [p for ps in parts for p in ps]
     # Parts as arrays, in global byte order (file after file).
-    p_file = np.array([f for f, _ in flat], dtype=np.int64)
-    p_lo = np.array([p.start for _, p in flat], dtype=np.int64) + file_base[p_file]
-    p_hi = np.array([p.end for _, p in flat], dtype=np.int64) + file_base[p_file]
-    p_gather = np.array([isinstance(p, GatherPart) for _, p in flat], dtype=bool)
+    p_file = np.repeat(np.arange(len(parts)), [len(ps) for ps in parts])
+    p_start = np.array([p.start for p in flat], dtype=np.int64)
+    p_end = np.array([p.end for p in flat], dtype=np.int64)
+    p_number = np.array([p.number for p in flat], dtype=np.int64)
+    p_lo, p_hi = p_start + file_base[p_file], p_end + file_base[p_file]
+    p_gather = np.array([isinstance(p, GatherPart) for p in flat], dtype=bool)
+    gathered = np.flatnonzero(p_gather)
+    g_index = np.full(len(flat), -1, dtype=np.int64)  # a part's index among the gathered ones
+    g_index[gathered] = np.arange(len(gathered))
+    in_file, tensors = file_tensors(layout, placed.key_names)
+    width = placed.offsets.shape[1]
+    if not len(gathered):
+        return GatherTasks(np.empty((0, 4), dtype=np.int64), np.zeros(1, dtype=np.int64), np.empty((0, 4), dtype=np.int64), np.zeros(1, dtype=np.int64), np.empty((0, 3 + 2 * width), dtype=np.int64), {}, {}, width)
     # Each chunk in the order its rank stages (placed order), cut where parts begin: a
     # row-sharded chunk into its pieces per part, a column-sharded one whole (all staged).
     lo = file_base[placed.file] + placed.start
     hi = lo + placed.nbytes
     first = np.searchsorted(p_lo, lo, side="right") - 1
-    last = np.searchsorted(p_lo, hi, side="left") - 1
+    # The part of a chunk's last byte: its first part's, but for the few chunks that reach past it.
+    last = first.copy()
+    beyond = np.flatnonzero(hi > p_hi[first])
+    last[beyond] = np.searchsorted(p_lo, hi[beyond], side="left") - 1
     count = np.where(placed.nbytes > 0, np.where(strided, 1, last - first + 1), 0)
+    del last, beyond
     chunk = np.repeat(np.arange(len(lo)), count)
     part = first[chunk] + (np.arange(len(chunk)) - np.repeat(np.cumsum(count) - count, count))
+    del first, count
     col = strided[chunk]
     in_part = np.minimum(part, len(p_lo) - 1)  # a column-sharded chunk's ``part`` means nothing
     staged = col | p_gather[in_part]
-    chunk, part, in_part, col = chunk[staged], part[staged], in_part[staged], col[staged]
+    if not staged.all():  # at thousands of ranks every byte is gathered: no copies then
+        chunk, part, in_part, col = chunk[staged], part[staged], in_part[staged], col[staged]
     a = np.where(col, lo[chunk], np.maximum(lo[chunk], p_lo[in_part]))
     nbytes = np.where(col, hi[chunk], np.minimum(hi[chunk], p_hi[in_part])) - a
+    del in_part, hi
     offset = staged_offsets(placed.rank[chunk], placed.file[chunk], nbytes)
-    # Row-sharded pieces by part.
+    # Row-sharded pieces, built in placed order (sequential reads), then put in part order at once.
     rows = np.flatnonzero(~col)
-    by_part = rows[stable_order(part[rows])]
-    piece_bounds = np.searchsorted(part[by_part], np.arange(len(flat) + 1))
-    of = chunk[by_part]
-    pieces = np.stack((placed.rank[of], a[by_part] - file_base[placed.file[of]], offset[by_part], nbytes[by_part]), axis=1)
-    # Column-sharded chunks: every part their first to last byte reaches.
+
+    def row_sharded(x: np.ndarray) -> np.ndarray:
+        return x if len(rows) == len(col) else x[rows]
+
+    rc = row_sharded(chunk)
+    table = np.stack((placed.rank[rc], row_sharded(a) - file_base[placed.file[rc]], row_sharded(offset), row_sharded(nbytes)), axis=1)
+    del rc
+    row_part = row_sharded(part)
+    by_part = stable_order(row_part)
+    pieces = np.take(table, by_part, axis=0)
+    del table
+    piece_at = np.searchsorted(g_index[row_part[by_part]], np.arange(len(gathered) + 1))
+    del rows, row_part, by_part, a, nbytes
+    # Column-sharded chunks: every gathered part their first to last byte reaches.
     cols = np.flatnonzero(col)
     c = chunk[cols]
     extent_hi = _last_byte(placed, c) + file_base[placed.file[c]] + 1
     c_first = np.searchsorted(p_lo, lo[c], side="right") - 1
     c_count = np.searchsorted(p_lo, extent_hi, side="left") - c_first
     which = np.repeat(np.arange(len(c)), c_count)
-    c_part = c_first[which] + (np.arange(len(which)) - np.repeat(np.cumsum(c_count) - c_count, c_count))
+    c_part = g_index[c_first[which] + (np.arange(len(which)) - np.repeat(np.cumsum(c_count) - c_count, c_count))]
+    which, c_part = which[c_part >= 0], c_part[c_part >= 0]
     o = stable_order(c_part)
     which, c_part = which[o], c_part[o]
-    col_bounds = np.searchsorted(c_part, np.arange(len(flat) + 1))
-    in_file, tensors = file_tensors(layout, placed.key_names)
+    strided_at = np.searchsorted(c_part, np.arange(len(gathered) + 1))
     cc = c[which]
-    col_rows = np.concatenate((np.stack((placed.rank[cc], in_file[placed.key[cc]], offset[cols][which]), axis=1), placed.offsets[cc], placed.sizes[cc]), axis=1)
-    width = placed.offsets.shape[1]
-    # One Python step per gathered part (there are 50,000 at 405B): plain lists, no numpy scalars.
-    piece_at, col_at, headers = piece_bounds.tolist(), col_bounds.tolist(), [f.header for f in layout.files]
-    tasks = []
-    for j in np.flatnonzero(p_gather).tolist():
-        f, p = flat[j]
-        pa, pb, ca, cb = piece_at[j], piece_at[j + 1], col_at[j], col_at[j + 1]
-        head = headers[f][p.start : p.end] if p.start < len(headers[f]) else b""
-        strided = (col_rows[ca:cb].tobytes(), tensors[f], width) if cb > ca else (b"", (), 0)
-        tasks.append(GatherTask(f, p.number, p.start, p.end, head, pieces[pa:pb].tobytes(), *strided))
-    return tasks
+    col_rows = np.concatenate((np.stack((placed.rank[cc], in_file[placed.key[cc]], offset[cols][which]), axis=1), np.take(placed.offsets, cc, axis=0), np.take(placed.sizes, cc, axis=0)), axis=1)
+    heads = {}
+    headers = [f.header for f in layout.files]
+    for j in gathered[p_start[gathered] < np.array([len(h) for h in headers], dtype=np.int64)[p_file[gathered]]].tolist():
+        heads[int(g_index[j])] = headers[p_file[j]][p_start[j] : p_end[j]]
+    files_named = np.unique(p_file[gathered][strided_at[1:] > strided_at[:-1]]).tolist()
+    table_parts = np.stack((p_file[gathered], p_number[gathered], p_start[gathered], p_end[gathered]), axis=1)
+    return GatherTasks(table_parts, piece_at, pieces, strided_at, col_rows, heads, {f: tensors[f] for f in files_named}, width)
 
 
 def _last_byte(placed: PlacedChunks, c: np.ndarray) -> np.ndarray:

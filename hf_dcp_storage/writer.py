@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
 from ._s3plan import S3Plan, plan_s3
 from ._slabs import as_bytes, slab_bounds, sub_chunk
 from ._placed import PlacedChunks, place_chunks, place_items
-from ._spread import GatherTask, MergeTask, assign, merge_tasks
+from ._spread import GatherTask, GatherTasks, MergeTask, assign, merge_tasks
 from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
@@ -73,7 +74,7 @@ class _RankPlan:
     table: TablePlan | None = None
     # The save's finishing work this rank does once every rank has staged (``_spread.py``), and
     # whether the ranks meet before it (on a save of several ranks where any rank has tasks).
-    tasks: tuple[GatherTask | MergeTask, ...] = ()
+    tasks: GatherTasks | tuple[MergeTask, ...] = ()
     world: int = 1
     meet: bool = False
 
@@ -242,7 +243,7 @@ class HFStorageWriter(StorageWriter):
         self._direct = False
         self._items: dict[MetadataIndex, WriteItem] = {}
         self._s3_parts: list[list[RankPart | GatherPart]] | None = None
-        self._gathers: dict[tuple[int, int], GatherTask] = {}  # S3: (file, part number) -> where its bytes are staged
+        self._gathers: list[GatherTasks] = []  # S3: where every gathered part's bytes are staged (each rank's share)
         self._uploads: dict[int, str] = {}
         # Compact plans: this rank's write items, kept here while DCP gathers only their
         # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.
@@ -349,7 +350,7 @@ class HFStorageWriter(StorageWriter):
         self._save_id, self._meets = save_id, _meets(tasks)
         return _rank_plans(plans, layout, save_id, direct, placements, self._s3_parts, self._uploads, tables, tasks)
 
-    def _plan_compact(self, chunks: list[LocalChunks], mode: str) -> tuple[Layout, list[TablePlan], list[list[GatherTask | MergeTask]] | None]:
+    def _plan_compact(self, chunks: list[LocalChunks], mode: str) -> tuple[Layout, list[TablePlan], list[GatherTasks] | list[list[MergeTask]] | None]:
         """(coordinator) From compact local plans: the layout, each rank's table plan, and
         unless ``mode`` is ``direct`` each rank's finishing tasks (and on S3 every file's parts).
         No I/O."""
@@ -363,7 +364,7 @@ class HFStorageWriter(StorageWriter):
         del g  # its per-chunk arrays (hundreds of MiB at thousands of ranks) are not needed further
         s3, tasks = _plan_tasks(layout, mode, placed, len(chunks))
         self._s3_parts = s3.parts if s3 is not None else None
-        self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
+        self._gathers = tasks if s3 is not None else []  # type: ignore[assignment]
         return layout, tables, tasks
 
     def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> None:
@@ -375,7 +376,7 @@ class HFStorageWriter(StorageWriter):
         self._items = {item.index: item for plan in plans for item in plan.items}
         s3 = plan_s3(place_items(layout, plans), layout, len(plans)) if mode == "s3" else None
         self._s3_parts = s3.parts if s3 is not None else None
-        self._gathers = {(t.file, t.number): t for t in s3.tasks} if s3 is not None else {}
+        self._gathers = [s3.tasks] if s3 is not None else []
         self._uploads = dict(uploads or {})
         self._tables = None
 
@@ -444,8 +445,9 @@ class HFStorageWriter(StorageWriter):
                 return task.file, {"PartNumber": task.number}
             return task.file, self._s3.upload_part(path, upload_id, task.number, data)
 
+        tasks = list(rank_plan.tasks)
         try:
-            done = parallel_map(run, rank_plan.tasks, self.thread_count)
+            done = parallel_map(run, tasks, self.thread_count)
         except BaseException:
             if rank_plan.s3 is not None:
                 self._abort_uploads(files, uploads)
@@ -457,7 +459,7 @@ class HFStorageWriter(StorageWriter):
                 merged.append(file)
             else:
                 parts.setdefault(file, []).append(etag)
-        nbytes = sum(t.nbytes for t in rank_plan.tasks)
+        nbytes = sum(t.nbytes for t in tasks)
         return WriteResult(_FINISHED, nbytes, _Finished({f: tuple(e) for f, e in parts.items()}, tuple(merged), nbytes))
 
     def _unpack_table(self, rank_plan: _RankPlan) -> tuple[list[WriteItem], _RankPlan]:
@@ -773,16 +775,20 @@ class HFStorageWriter(StorageWriter):
                 by_ranks.setdefault(f, set()).update(e["PartNumber"] for e in parts)
                 etags.setdefault(f, []).extend(e for e in parts if "ETag" in e)
         gathers = self._gathers
+        where: dict[tuple[int, int], tuple[int, int]] = {}  # (file, part number) -> (share, index)
+
+        def sources(f: int, part: GatherPart) -> list[Any]:
+            if not where:  # only parts no rank uploaded come here: an interrupted save
+                where.update(((fp[0], fp[1]), (b, i)) for b, batch in enumerate(gathers) for i, fp in enumerate(batch.parts[:, :2].tolist()))
+            b, i = where[(f, part.number)]
+            return gathers[b].task(i).sources()
 
         try:
             for f, plan in enumerate(layout.files):
 
-                def sources(part: GatherPart, f: int = f) -> list[Any]:
-                    return gathers[(f, part.number)].sources()
-
                 complete_file(
                     self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, s3_parts[f],
-                    etags.get(f, []), by_ranks.get(f, set()), sources, lambda rank, name=plan.name: self._staged_path(name, rank),
+                    etags.get(f, []), by_ranks.get(f, set()), functools.partial(sources, f), lambda rank, name=plan.name: self._staged_path(name, rank),
                     threads=self.thread_count, stats=self.merge_stats,
                 )
         except BaseException:
@@ -850,7 +856,7 @@ def _rank_plans(
     s3_parts: list[list[RankPart | GatherPart]] | None,
     uploads: Mapping[int, str],
     tables: list[TablePlan] | None = None,
-    tasks: list[list[GatherTask | MergeTask]] | None = None,
+    tasks: list[GatherTasks] | list[list[MergeTask]] | None = None,
 ) -> list[SavePlan]:
     """(coordinator) Every rank's final plan: its ``_RankPlan`` (the part of the layout it
     writes: placements or table plan, on S3 its own parts and the headers they carry, and its
@@ -870,19 +876,20 @@ def _rank_plans(
             headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
             s3_plan = _S3RankPlan(uploads, mine, headers)
         table = tables[rank] if tables is not None else None
-        mine_tasks = tuple(tasks[rank]) if tasks is not None else ()
+        mine = tasks[rank] if tasks is not None else ()
+        mine_tasks = mine if isinstance(mine, GatherTasks) else tuple(mine)
         rank_plan = _RankPlan(rank, save_id, direct, layout.names, placed, s3_plan, table, mine_tasks, len(plans), meet)
         out.append(dataclasses.replace(plan, storage_data=rank_plan))
     return out
 
 
-def _meets(tasks: list[list[GatherTask | MergeTask]] | None) -> bool:
+def _meets(tasks: list[GatherTasks] | list[list[MergeTask]] | None) -> bool:
     """Whether the ranks must wait for each other before their tasks: only if there are
     several ranks and any has a task (a task may read any rank's staged bytes)."""
     return tasks is not None and len(tasks) > 1 and any(tasks)
 
 
-def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: int) -> tuple[S3Plan | None, list[list[GatherTask | MergeTask]] | None]:
+def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: int) -> tuple[S3Plan | None, list[GatherTasks] | list[list[MergeTask]] | None]:
     """(coordinator) The finishing work of a save on an object store, spread over its ranks by
     bytes (``_spread.assign``): on S3 each gathered part (and every file's parts), elsewhere each
     file to merge, given to the rank with the fewest bytes so far, counting each rank's own
@@ -892,17 +899,13 @@ def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: i
     assert placed is not None
     own = placed.bytes_per_rank(world).tolist()
     if mode == "staged":
-        return None, _assign_tasks(list(merge_tasks(placed, layout)), own)
+        merges = merge_tasks(placed, layout)
+        out: list[list[MergeTask]] = [[] for _ in own]
+        for task, rank in zip(merges, assign([t.nbytes for t in merges], own), strict=True):
+            out[rank].append(task)
+        return None, out
     s3 = plan_s3(placed, layout, world)
-    return s3, _assign_tasks(list(s3.tasks), own)
-
-
-def _assign_tasks(tasks: list[GatherTask | MergeTask], own: list[int]) -> list[list[GatherTask | MergeTask]]:
-    """Each rank's tasks, spread by bytes (``_spread.assign``) over ranks already moving ``own``."""
-    out: list[list[GatherTask | MergeTask]] = [[] for _ in own]
-    for task, rank in zip(tasks, assign([t.nbytes for t in tasks], own), strict=True):
-        out[rank].append(task)
-    return out
+    return s3, s3.tasks.split(np.array(assign(s3.tasks.nbytes.tolist(), own), dtype=np.int64), world)
 
 
 def _item_slabs(item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tensor], HostBuffers]) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
