@@ -23,22 +23,23 @@ import numpy as np
 from ._layout import Layout
 from ._placed import PlacedChunks, stable_order, staged_offsets
 from ._s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
-from ._spread import GatherTasks, file_tensors
+from ._spread import GatherTasks, assign, file_tensors
 
 __all__ = ["S3Plan", "plan_s3"]
 
 
 @dataclass(frozen=True)
 class S3Plan:
-    """Every file's parts (``parts[f]``, numbered from 1 in file order) and the gathered ones'
-    tasks, in file order."""
+    """Every file's parts (``parts[f]``, numbered from 1 in file order) and each rank's share of
+    the gathered ones (``tasks[rank]``, in file order)."""
 
     parts: list[list[RankPart | GatherPart]]
-    tasks: GatherTasks
+    tasks: list[GatherTasks]
 
 
 def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
-    """(coordinator) Plan an S3 save's parts and gathering tasks over ``world`` ranks. Pure.
+    """(coordinator) Plan an S3 save's parts and gathering tasks, spread over ``world`` ranks by
+    bytes (``_spread.assign``, counting the bytes each rank uploads of its own). Pure.
 
     Raises:
         ValueError: a file needs more than S3's 10,000 parts.
@@ -49,7 +50,7 @@ def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
 
     # Byte runs in file order: a row-sharded chunk is one; a column-sharded tensor one, rank -1.
     row = np.flatnonzero(~strided & (placed.nbytes > 0))
-    mixed_keys = np.unique(placed.key[strided])
+    mixed_keys = np.flatnonzero(np.bincount(placed.key[strided], minlength=len(placed.key_names)))
     key_bytes = np.array([np.prod(s[: n]) for s, n in zip(placed.shape[mixed_keys].tolist(), placed.ndim[mixed_keys].tolist(), strict=True)], dtype=np.int64) * placed.itemsize[mixed_keys]
     run_file = np.concatenate((placed.file[row], placed.key_file[mixed_keys]))
     run_start = np.concatenate((placed.start[row], placed.tensor_start[mixed_keys]))
@@ -70,7 +71,7 @@ def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
     for f, plan in enumerate(layout.files):
         a, b = bounds[f], bounds[f + 1]
         parts.append(plan_file_parts(len(plan.header), plan.size, run_start[a:b], run_bytes[a:b], run_rank[a:b], gather_part=gather_part))
-    return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, file_base))
+    return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, file_base, world))
 
 
 def _file_order(file: np.ndarray, start: np.ndarray, key: np.ndarray, placed: PlacedChunks, file_base: np.ndarray) -> np.ndarray:
@@ -103,24 +104,30 @@ def _strided(placed: PlacedChunks) -> np.ndarray:
     return mixed[placed.key]
 
 
-def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPart | GatherPart]], strided: np.ndarray, file_base: np.ndarray) -> GatherTasks:
-    """The gathered parts, in file order, with what each holds: the header's bytes in it, the
-    staged pieces of row-sharded chunks in it, and the column-sharded chunks that reach into it."""
+def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPart | GatherPart]], strided: np.ndarray, file_base: np.ndarray, world: int) -> list[GatherTasks]:
+    """Each rank's gathered parts, with what each holds: the header's bytes in it, the staged
+    pieces of row-sharded chunks in it, and the column-sharded chunks that reach into it.
+
+    The parts are given out first, so that every row is put straight where it ends up (rank
+    after rank, part after part) and each rank's share is a slice: a row-sharded chunk's pieces
+    are several hundred MiB at 405B over 8,192 ranks, and a second copy of them would be the
+    coordinator's largest allocation."""
     flat = [p for ps in parts for p in ps]
     # Parts as arrays, in global byte order (file after file).
     p_file = np.repeat(np.arange(len(parts)), [len(ps) for ps in parts])
     p_start = np.array([p.start for p in flat], dtype=np.int64)
     p_end = np.array([p.end for p in flat], dtype=np.int64)
-    p_number = np.array([p.number for p in flat], dtype=np.int64)
     p_lo, p_hi = p_start + file_base[p_file], p_end + file_base[p_file]
     p_gather = np.array([isinstance(p, GatherPart) for p in flat], dtype=bool)
     gathered = np.flatnonzero(p_gather)
-    g_index = np.full(len(flat), -1, dtype=np.int64)  # a part's index among the gathered ones
-    g_index[gathered] = np.arange(len(gathered))
+    # Who gathers each part; its slot: its place among all gathered parts, rank after rank.
+    rank_of = np.array(assign((p_end - p_start)[gathered].tolist(), placed.bytes_per_rank(world).tolist()), dtype=np.int64)
+    by_rank = np.argsort(rank_of, kind="stable")
+    slot = np.full(len(flat), -1, dtype=np.int64)
+    slot[gathered[by_rank]] = np.arange(len(gathered))
+    rank_at = np.searchsorted(rank_of[by_rank], np.arange(world + 1))
     in_file, tensors = file_tensors(layout, placed.key_names)
     width = placed.offsets.shape[1]
-    if not len(gathered):
-        return GatherTasks(np.empty((0, 4), dtype=np.int64), np.zeros(1, dtype=np.int64), np.empty((0, 4), dtype=np.int64), np.zeros(1, dtype=np.int64), np.empty((0, 3 + 2 * width), dtype=np.int64), {}, {}, width)
     # Each chunk in the order its rank stages (placed order), cut where parts begin: a
     # row-sharded chunk into its pieces per part, a column-sharded one whole (all staged).
     lo = file_base[placed.file] + placed.start
@@ -128,13 +135,13 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     first = np.searchsorted(p_lo, lo, side="right") - 1
     # The part of a chunk's last byte: its first part's, but for the few chunks that reach past it.
     last = first.copy()
-    beyond = np.flatnonzero(hi > p_hi[first])
+    beyond = np.flatnonzero(hi > p_hi[np.minimum(first, len(p_hi) - 1)])
     last[beyond] = np.searchsorted(p_lo, hi[beyond], side="left") - 1
     count = np.where(placed.nbytes > 0, np.where(strided, 1, last - first + 1), 0)
     del last, beyond
     chunk = np.repeat(np.arange(len(lo)), count)
     part = first[chunk] + (np.arange(len(chunk)) - np.repeat(np.cumsum(count) - count, count))
-    del first, count
+    del count
     col = strided[chunk]
     in_part = np.minimum(part, len(p_lo) - 1)  # a column-sharded chunk's ``part`` means nothing
     staged = col | p_gather[in_part]
@@ -144,52 +151,79 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     nbytes = np.where(col, hi[chunk], np.minimum(hi[chunk], p_hi[in_part])) - a
     del in_part, hi
     offset = staged_offsets(placed.rank[chunk], placed.file[chunk], nbytes)
-    # Row-sharded pieces, built in placed order (sequential reads), then put in part order at once.
-    rows = np.flatnonzero(~col)
+    # Row-sharded pieces, rows (rank, file offset, staged offset, bytes), by slot of their part.
+    rows = None if not col.any() else np.flatnonzero(~col)
 
     def row_sharded(x: np.ndarray) -> np.ndarray:
-        return x if len(rows) == len(col) else x[rows]
+        return x if rows is None else x[rows]
 
     rc = row_sharded(chunk)
-    table = np.stack((placed.rank[rc], row_sharded(a) - file_base[placed.file[rc]], row_sharded(offset), row_sharded(nbytes)), axis=1)
-    del rc
-    row_part = row_sharded(part)
-    by_part = stable_order(row_part)
-    pieces = np.take(table, by_part, axis=0)
-    del table
-    piece_at = np.searchsorted(g_index[row_part[by_part]], np.arange(len(gathered) + 1))
-    del rows, row_part, by_part, a, nbytes
+    row_slot = slot[row_sharded(part)]
+    by_slot = stable_order(row_slot)
+    piece_at = np.searchsorted(row_slot[by_slot], np.arange(len(gathered) + 1))
+    del row_slot
+    pieces = np.empty((len(by_slot), 4), dtype=np.int64)
+    pieces[:, 0] = placed.rank[rc][by_slot]
+    pieces[:, 1] = (row_sharded(a) - file_base[placed.file[rc]])[by_slot]
+    pieces[:, 2] = row_sharded(offset)[by_slot]
+    pieces[:, 3] = row_sharded(nbytes)[by_slot]
+    del rc, by_slot, a, nbytes
     # Column-sharded chunks: every gathered part their first to last byte reaches.
     cols = np.flatnonzero(col)
     c = chunk[cols]
+    c_first = first[c]
+    del first
     extent_hi = _last_byte(placed, c) + file_base[placed.file[c]] + 1
-    c_first = np.searchsorted(p_lo, lo[c], side="right") - 1
-    c_count = np.searchsorted(p_lo, extent_hi, side="left") - c_first
+    c_last = c_first.copy()
+    beyond = np.flatnonzero(extent_hi > p_hi[c_first])
+    c_last[beyond] = np.searchsorted(p_lo, extent_hi[beyond], side="left") - 1
+    c_count = c_last - c_first + 1
+    del c_last, beyond, extent_hi
     which = np.repeat(np.arange(len(c)), c_count)
-    c_part = g_index[c_first[which] + (np.arange(len(which)) - np.repeat(np.cumsum(c_count) - c_count, c_count))]
-    which, c_part = which[c_part >= 0], c_part[c_part >= 0]
-    o = stable_order(c_part)
-    which, c_part = which[o], c_part[o]
-    strided_at = np.searchsorted(c_part, np.arange(len(gathered) + 1))
+    c_slot = slot[c_first[which] + (np.arange(len(which)) - np.repeat(np.cumsum(c_count) - c_count, c_count))]
+    which, c_slot = which[c_slot >= 0], c_slot[c_slot >= 0]
+    o = stable_order(c_slot)
+    which, c_slot = which[o], c_slot[o]
+    strided_at = np.searchsorted(c_slot, np.arange(len(gathered) + 1))
     cc = c[which]
-    col_rows = np.concatenate((np.stack((placed.rank[cc], in_file[placed.key[cc]], offset[cols][which]), axis=1), np.take(placed.offsets, cc, axis=0), np.take(placed.sizes, cc, axis=0)), axis=1)
-    heads = {}
+    col_rows = np.empty((len(cc), 3 + 2 * width), dtype=np.int64)
+    col_rows[:, 0] = placed.rank[cc]
+    col_rows[:, 1] = in_file[placed.key[cc]]
+    col_rows[:, 2] = offset[cols][which]
+    col_rows[:, 3 : 3 + width] = np.take(placed.offsets, cc, axis=0)
+    col_rows[:, 3 + width :] = np.take(placed.sizes, cc, axis=0)
+    del cc, which, cols, c
+    # Each rank's share: slices of the arrays above.
+    order = gathered[by_rank]
+    table = np.stack((p_file[order], np.array([flat[j].number for j in order.tolist()], dtype=np.int64), p_start[order], p_end[order]), axis=1)
     headers = [f.header for f in layout.files]
-    for j in gathered[p_start[gathered] < np.array([len(h) for h in headers], dtype=np.int64)[p_file[gathered]]].tolist():
-        heads[int(g_index[j])] = headers[p_file[j]][p_start[j] : p_end[j]]
-    files_named = np.unique(p_file[gathered][strided_at[1:] > strided_at[:-1]]).tolist()
-    table_parts = np.stack((p_file[gathered], p_number[gathered], p_start[gathered], p_end[gathered]), axis=1)
-    return GatherTasks(table_parts, piece_at, pieces, strided_at, col_rows, heads, {f: tensors[f] for f in files_named}, width)
+    heads = {int(slot[j]): headers[p_file[j]][p_start[j] : p_end[j]] for j in gathered[p_start[gathered] < np.array([len(h) for h in headers], dtype=np.int64)[p_file[gathered]]].tolist()}
+    names = (strided_at[1:] > strided_at[:-1]).tolist()
+    out = []
+    for r in range(world):
+        i, j = int(rank_at[r]), int(rank_at[r + 1])
+        pa, pb, ca, cb = piece_at[i], piece_at[j], strided_at[i], strided_at[j]
+        files = {int(table[k, 0]) for k in range(i, j) if names[k]} if cb > ca else set()
+        out.append(
+            GatherTasks(
+                table[i:j], piece_at[i : j + 1] - pa, pieces[pa:pb], strided_at[i : j + 1] - ca, col_rows[ca:cb],
+                {k - i: heads[k] for k in range(i, j) if k in heads}, {f: tensors[f] for f in sorted(files)}, width,
+            )
+        )
+    return out
 
 
 def _last_byte(placed: PlacedChunks, c: np.ndarray) -> np.ndarray:
-    """Offset in its file of each chunk's last byte."""
+    """Offset in its file of each chunk's last byte: a column at a time, each key's strides from
+    a small table (zero past its ndim, where offsets and sizes are zero too)."""
+    strides = np.zeros_like(placed.shape)
+    for k, (shape, nd) in enumerate(zip(placed.shape.tolist(), placed.ndim.tolist(), strict=True)):
+        step = 1
+        for d in range(nd - 1, -1, -1):
+            strides[k, d] = step
+            step *= shape[d]
     key = placed.key[c]
-    shape = placed.shape[key]
-    strides = np.ones_like(shape)
-    for d in range(shape.shape[1] - 2, -1, -1):
-        strides[:, d] = strides[:, d + 1] * np.where(np.arange(shape.shape[1])[d + 1] < placed.ndim[key], shape[:, d + 1], 1)
-    real = np.arange(shape.shape[1]) < placed.ndim[key][:, None]
-    last = np.where(real, placed.offsets[c] + placed.sizes[c] - 1, 0)
-    return placed.tensor_start[key] + ((last * strides).sum(axis=1) + 1) * placed.itemsize[key] - 1
-
+    element = np.zeros(len(c), dtype=np.int64)
+    for d in range(placed.offsets.shape[1]):
+        element += (placed.offsets[:, d][c] + placed.sizes[:, d][c] - 1) * strides[:, d][key]
+    return placed.tensor_start[key] + (element + 1) * placed.itemsize[key] - 1

@@ -132,40 +132,6 @@ class GatherTasks:
         strided = (self.strided[ca:cb].tobytes(), self.tensors[f], self.width) if cb > ca else (b"", (), 0)
         return GatherTask(f, number, start, end, self.heads.get(i, b""), self.pieces[pa:pb].tobytes(), *strided)
 
-    def split(self, rank_of: np.ndarray, world: int) -> list[GatherTasks]:
-        """Each rank's share: the parts ``rank_of`` gives it, in this object's order. Numpy
-        over the rows, a Python step per rank."""
-        order = np.argsort(rank_of, kind="stable")
-        rank_at = np.searchsorted(rank_of[order], np.arange(world + 1))
-        pieces, piece_at = _regroup(self.pieces, self.piece_at, order)
-        strided, strided_at = _regroup(self.strided, self.strided_at, order)
-        position = np.empty(len(order), dtype=np.int64)
-        position[order] = np.arange(len(order))
-        heads_of: dict[int, dict[int, bytes]] = {}
-        for i, head in self.heads.items():
-            r, at = int(rank_of[i]), int(position[i])
-            heads_of.setdefault(r, {})[at - int(rank_at[r])] = head
-        files = self.parts[order, 0]
-        out = []
-        for r, (a, b) in enumerate(zip(rank_at[:-1].tolist(), rank_at[1:].tolist(), strict=True)):
-            pa, pb, ca, cb = piece_at[a], piece_at[b], strided_at[a], strided_at[b]
-            mine = np.unique(files[a:b][strided_at[a + 1 : b + 1] > strided_at[a:b]]).tolist() if cb > ca else []
-            out.append(
-                GatherTasks(
-                    self.parts[order[a:b]], piece_at[a : b + 1] - pa, pieces[pa:pb], strided_at[a : b + 1] - ca, strided[ca:cb],
-                    heads_of.get(r, {}), {f: self.tensors[f] for f in mine}, self.width,
-                )
-            )
-        return out
-
-
-def _regroup(rows: np.ndarray, at: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Groups ``at[i]:at[i + 1]`` of ``rows`` put in ``order``, and their new bounds."""
-    counts = (at[1:] - at[:-1])[order]
-    new_at = np.concatenate(([0], np.cumsum(counts)))
-    index = np.repeat(at[:-1][order] - new_at[:-1], counts) + np.arange(int(new_at[-1]))
-    return np.take(rows, index, axis=0), new_at
-
 
 @dataclass(frozen=True)
 class MergeTask:

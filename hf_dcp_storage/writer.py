@@ -364,7 +364,7 @@ class HFStorageWriter(StorageWriter):
         del g  # its per-chunk arrays (hundreds of MiB at thousands of ranks) are not needed further
         s3, tasks = _plan_tasks(layout, mode, placed, len(chunks))
         self._s3_parts = s3.parts if s3 is not None else None
-        self._gathers = tasks if s3 is not None else []  # type: ignore[assignment]
+        self._gathers = s3.tasks if s3 is not None else []
         return layout, tables, tasks
 
     def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> None:
@@ -376,7 +376,7 @@ class HFStorageWriter(StorageWriter):
         self._items = {item.index: item for plan in plans for item in plan.items}
         s3 = plan_s3(place_items(layout, plans), layout, len(plans)) if mode == "s3" else None
         self._s3_parts = s3.parts if s3 is not None else None
-        self._gathers = [s3.tasks] if s3 is not None else []
+        self._gathers = s3.tasks if s3 is not None else []
         self._uploads = dict(uploads or {})
         self._tables = None
 
@@ -868,7 +868,7 @@ def _rank_plans(
         for p in parts:
             if isinstance(p, RankPart):
                 own.setdefault(p.rank, {}).setdefault(f, []).append(p)
-    out = []
+    out, names = [], layout.names
     for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
         s3_plan = None
         if s3_parts is not None:
@@ -878,7 +878,7 @@ def _rank_plans(
         table = tables[rank] if tables is not None else None
         mine = tasks[rank] if tasks is not None else ()
         mine_tasks = mine if isinstance(mine, GatherTasks) else tuple(mine)
-        rank_plan = _RankPlan(rank, save_id, direct, layout.names, placed, s3_plan, table, mine_tasks, len(plans), meet)
+        rank_plan = _RankPlan(rank, save_id, direct, names, placed, s3_plan, table, mine_tasks, len(plans), meet)
         out.append(dataclasses.replace(plan, storage_data=rank_plan))
     return out
 
@@ -897,15 +897,14 @@ def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: i
     if mode == "direct":
         return None, None
     assert placed is not None
-    own = placed.bytes_per_rank(world).tolist()
-    if mode == "staged":
-        merges = merge_tasks(placed, layout)
-        out: list[list[MergeTask]] = [[] for _ in own]
-        for task, rank in zip(merges, assign([t.nbytes for t in merges], own), strict=True):
-            out[rank].append(task)
-        return None, out
-    s3 = plan_s3(placed, layout, world)
-    return s3, s3.tasks.split(np.array(assign(s3.tasks.nbytes.tolist(), own), dtype=np.int64), world)
+    if mode == "s3":
+        s3 = plan_s3(placed, layout, world)
+        return s3, s3.tasks
+    merges = merge_tasks(placed, layout)
+    out: list[list[MergeTask]] = [[] for _ in range(world)]
+    for task, rank in zip(merges, assign([t.nbytes for t in merges], placed.bytes_per_rank(world).tolist()), strict=True):
+        out[rank].append(task)
+    return None, out
 
 
 def _item_slabs(item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tensor], HostBuffers]) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
