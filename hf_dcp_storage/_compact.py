@@ -90,7 +90,7 @@ def encode_local(items: Sequence[WriteItem]) -> LocalChunks:
         flat.extend(gap)
     rows = np.array(flat, dtype=np.int64).reshape(len(items), 1 + 2 * ndim)
     raw = json.dumps([[k, d, list(s)] for k, d, s in table], separators=(",", ":")).encode()
-    if not len(rows) or rows.max() < 2**31:
+    if not len(rows) or (rows.max() < 2**31 and rows.min() >= -(2**31)):
         rows = rows.astype(np.int32)  # half the bytes gathered; dims beyond 2**31 stay int64
     return LocalChunks(zlib.compress(raw, 1), rows)
 
@@ -101,6 +101,9 @@ class GlobalChunks:
 
     ``key`` indexes ``specs``; ``offsets``/``sizes`` are padded with zeros past each key's ndim.
     Rank ``r``'s chunks are rows ``rank_start[r]:rank_start[r + 1]``, in its plan's order.
+    ``rank`` and ``key`` are int32, and so are ``offsets``/``sizes`` when every chunk ends
+    below 2**31 (ten million rows at 405B over 8,192 ranks: half the coordinator's memory);
+    arithmetic that can exceed that (products, byte offsets) is done in int64.
     ``table_keys[t]`` maps the rows of distinct table ``t`` to keys; rank ``r`` sent table
     ``table_of_rank[r]``.
     """
@@ -151,9 +154,10 @@ def gather(locals_: Sequence[LocalChunks]) -> GlobalChunks:
     counts = np.array([len(local.rows) for local in locals_], dtype=np.int64)
     rank_start = np.concatenate(([0], np.cumsum(counts)))
     total, width = int(rank_start[-1]), max((len(s.shape) for s in specs.values()), default=0)
-    key = np.empty(total, dtype=np.int64)
-    offsets = np.zeros((total, width), dtype=np.int64)
-    sizes = np.zeros((total, width), dtype=np.int64)
+    small = all(local.rows.dtype == np.int32 for local in locals_)
+    key = np.empty(total, dtype=np.int32)
+    offsets = np.zeros((total, width), dtype=np.int32 if small else np.int64)
+    sizes = np.zeros((total, width), dtype=np.int32 if small else np.int64)
     for r, local in enumerate(locals_):
         a, b = rank_start[r], rank_start[r + 1]
         if a == b:
@@ -162,7 +166,9 @@ def gather(locals_: Sequence[LocalChunks]) -> GlobalChunks:
         key[a:b] = table_keys[table_of_rank[r]][local.rows[:, 0]]
         offsets[a:b, :nd] = local.rows[:, 1 : 1 + nd]
         sizes[a:b, :nd] = local.rows[:, 1 + nd :]
-    rank = np.repeat(np.arange(len(locals_), dtype=np.int64), counts)
+    if small and total and any(int((offsets[:, d].astype(np.int64) + sizes[:, d]).max()) >= 2**31 for d in range(width)):
+        offsets, sizes = offsets.astype(np.int64), sizes.astype(np.int64)  # an end past 2**31: sums must not wrap
+    rank = np.repeat(np.arange(len(locals_), dtype=np.int32), counts)
     return GlobalChunks(list(specs.values()), table_keys, table_of_rank, rank_start, rank, key, offsets, sizes)
 
 
@@ -308,7 +314,7 @@ def _is_grid(offsets: np.ndarray, sizes: np.ndarray, shape: np.ndarray) -> bool:
     as many as the grid's cells (distinct boxes made of grid intervals are distinct cells)."""
     cells = 1
     for d in range(len(shape)):
-        pairs = np.unique(offsets[:, d] * (int(shape[d]) + 1) + sizes[:, d])
+        pairs = np.unique(offsets[:, d].astype(np.int64) * (int(shape[d]) + 1) + sizes[:, d])
         starts, lengths = np.divmod(pairs, int(shape[d]) + 1)
         if starts[0] != 0 or starts[-1] + lengths[-1] != shape[d] or (starts[1:] != starts[:-1] + lengths[:-1]).any():
             return False

@@ -34,7 +34,9 @@ class PlacedChunks:
     ``start``, the absolute offset of its first byte in the file; ``nbytes``; ``offsets`` and
     ``sizes`` (zero-padded past the key's ndim); ``staged``, its offset in the rank's staged
     object of the file when the rank stages all of it. Per key: ``shape`` (padded),
-    ``itemsize``, ``tensor_start``, ``key_file`` and ``ndim``.
+    ``itemsize``, ``tensor_start``, ``key_file`` and ``ndim``. ``rank``, ``key`` and ``file``
+    are int32, and ``offsets``/``sizes`` where every value fits (millions of rows at thousands
+    of ranks: hundreds of MiB less); byte offsets are int64.
     """
 
     key_names: tuple[str, ...]
@@ -81,16 +83,20 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
     file_of = np.array([layout.file_of[s.key] for s in g.specs], dtype=np.int64)
     key, rank = g.key[rows], g.rank[rows]
     offsets, sizes = np.take(g.offsets, rows, axis=0), np.take(g.sizes, rows, axis=0)  # np.take: faster than fancy indexing for 2-D rows
-    real = np.arange(width) < ndim[key][:, None]
-    nbytes = np.where(real, sizes, 1).prod(axis=1) * itemsize[key]
-    start = tensor_start[key] + (offsets * strides[key]).sum(axis=1) * itemsize[key]
+    # Bytes and first byte, a column at a time in int64 (offsets and sizes may be int32).
+    nbytes, element = itemsize[key], np.zeros(len(rows), dtype=np.int64)
+    for d in range(width):
+        nbytes = nbytes * np.where(ndim[key] > d, sizes[:, d], 1)
+        element += offsets[:, d] * strides[:, d][key]
+    start = tensor_start[key] + element * itemsize[key]
+    del element
     file = file_of[key]
     # Sort by (rank, file, start): one int64 sort key where it fits, else a lexsort.
     file_base = np.concatenate(([0], np.cumsum([f.size for f in layout.files], dtype=np.int64)))
     position = file_base[file] + start
     span = int(file_base[-1]) + 1
     if len(rows) and (int(rank.max()) + 1) * span < 2**62:
-        sort_key = rank * span + position
+        sort_key = rank.astype(np.int64) * span + position
         # A rank lists its keys as the layout orders them (DCP keeps state-dict order): usually sorted already.
         order = None if (sort_key[1:] >= sort_key[:-1]).all() else np.argsort(sort_key, kind="stable")
     else:
@@ -98,8 +104,12 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
     if order is not None:
         rank, key, file, start, nbytes = rank[order], key[order], file[order], start[order], nbytes[order]
         offsets, sizes = np.take(offsets, order, axis=0), np.take(sizes, order, axis=0)
+    staged = staged_offsets(rank, file, nbytes)
+    rank, key, file = rank.astype(np.int32, copy=False), key.astype(np.int32, copy=False), file.astype(np.int32)
+    if offsets.dtype != np.int32 and (not len(offsets) or int((offsets + sizes).max()) < 2**31):  # all >= 0 here
+        offsets, sizes = offsets.astype(np.int32), sizes.astype(np.int32)
     names = tuple(spec.key for spec in g.specs)
-    return PlacedChunks(names, rank, key, file, start, nbytes, offsets, sizes, staged_offsets(rank, file, nbytes), shape, itemsize, tensor_start, file_of, ndim)
+    return PlacedChunks(names, rank, key, file, start, nbytes, offsets, sizes, staged, shape, itemsize, tensor_start, file_of, ndim)
 
 
 def place_items(layout: Layout, plans: Sequence[SavePlan]) -> PlacedChunks:

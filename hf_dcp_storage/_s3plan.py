@@ -71,6 +71,7 @@ def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
     for f, plan in enumerate(layout.files):
         a, b = bounds[f], bounds[f + 1]
         parts.append(plan_file_parts(len(plan.header), plan.size, run_start[a:b], run_bytes[a:b], run_rank[a:b], gather_part=gather_part))
+    del run_file, run_start, run_bytes, run_rank  # a row per chunk: freed before the tasks' arrays
     return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, file_base, world))
 
 
@@ -150,7 +151,13 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     a = np.where(col, lo[chunk], np.maximum(lo[chunk], p_lo[in_part]))
     nbytes = np.where(col, hi[chunk], np.minimum(hi[chunk], p_hi[in_part])) - a
     del in_part, hi
+    del lo
     offset = staged_offsets(placed.rank[chunk], placed.file[chunk], nbytes)
+    # What the column-sharded chunks need below, so that the rest can go first.
+    cols = np.flatnonzero(col)
+    c, c_offset = chunk[cols], offset[cols]
+    c_first = first[c]
+    del first, cols
     # Row-sharded pieces, rows (rank, file offset, staged offset, bytes), by slot of their part.
     rows = None if not col.any() else np.flatnonzero(~col)
 
@@ -159,6 +166,7 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
 
     rc = row_sharded(chunk)
     row_slot = slot[row_sharded(part)]
+    del part, chunk
     by_slot = stable_order(row_slot)
     piece_at = np.searchsorted(row_slot[by_slot], np.arange(len(gathered) + 1))
     del row_slot
@@ -167,12 +175,8 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     pieces[:, 1] = (row_sharded(a) - file_base[placed.file[rc]])[by_slot]
     pieces[:, 2] = row_sharded(offset)[by_slot]
     pieces[:, 3] = row_sharded(nbytes)[by_slot]
-    del rc, by_slot, a, nbytes
+    del rc, by_slot, a, nbytes, offset
     # Column-sharded chunks: every gathered part their first to last byte reaches.
-    cols = np.flatnonzero(col)
-    c = chunk[cols]
-    c_first = first[c]
-    del first
     extent_hi = _last_byte(placed, c) + file_base[placed.file[c]] + 1
     c_last = c_first.copy()
     beyond = np.flatnonzero(extent_hi > p_hi[c_first])
@@ -189,10 +193,10 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     col_rows = np.empty((len(cc), 3 + 2 * width), dtype=np.int64)
     col_rows[:, 0] = placed.rank[cc]
     col_rows[:, 1] = in_file[placed.key[cc]]
-    col_rows[:, 2] = offset[cols][which]
+    col_rows[:, 2] = c_offset[which]
     col_rows[:, 3 : 3 + width] = np.take(placed.offsets, cc, axis=0)
     col_rows[:, 3 + width :] = np.take(placed.sizes, cc, axis=0)
-    del cc, which, cols, c
+    del cc, which, c, c_offset
     # Each rank's share: slices of the arrays above.
     order = gathered[by_rank]
     table = np.stack((p_file[order], np.array([flat[j].number for j in order.tolist()], dtype=np.int64), p_start[order], p_end[order]), axis=1)

@@ -94,8 +94,8 @@ class GatherTask:
 
 @dataclass(frozen=True)
 class GatherTasks:
-    """(S3) Many gathered parts as arrays: all of a save's (the coordinator's plan) or one
-    rank's share of them (``split``). Iterating gives a :class:`GatherTask` per part.
+    """(S3) One rank's gathered parts, as arrays (``_s3plan`` builds every rank's share at
+    once). Iterating gives a :class:`GatherTask` per part, which the rank then carries out.
 
     Part ``i`` is ``parts[i] = (file, number, start, end)``; its staged pieces are rows
     ``piece_at[i]:piece_at[i + 1]`` of ``pieces`` and its column-sharded chunks rows
@@ -119,11 +119,6 @@ class GatherTasks:
 
     def __iter__(self) -> Iterator[GatherTask]:
         return (self.task(i) for i in range(len(self.parts)))
-
-    @property
-    def nbytes(self) -> np.ndarray:
-        """Each part's bytes."""
-        return self.parts[:, 3] - self.parts[:, 2]
 
     def task(self, i: int) -> GatherTask:
         """Part ``i`` as a :class:`GatherTask`."""
