@@ -60,7 +60,7 @@ from hf_dcp_storage._fsio import STREAM_PART_BYTES  # noqa: E402
 from hf_dcp_storage._layout import plan_layout  # noqa: E402
 from hf_dcp_storage._placed import place_chunks  # noqa: E402
 from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
-from hf_dcp_storage.writer import _PACKED, _json_bytes, _plan_tasks, _RankPlan, _whole_tensors, _WrittenRows  # noqa: E402
+from hf_dcp_storage.writer import _PACKED, _json_bytes, _plan_tasks, _RankPlan, _whole_tensors, _WrittenRows, _index_json  # noqa: E402
 from hf_dcp_storage.writer import _rank_plans as writer_rank_plans  # noqa: E402
 
 PHASES = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter", "results_gather", "checksums", "metadata", "index")
@@ -136,7 +136,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     writer._tables = (table_keys, table_of_rank)
     checksums = timed("checksums", lambda: writer._checksums(layout, results))
     timed("metadata", lambda: _whole_tensors(layout))
-    index = timed("index", lambda: _json_bytes({"metadata": {"total_size": layout.total_size, "checksums": {k: f"{v:08x}" for k, v in sorted(checksums.items())}}, "weight_map": dict(sorted(layout.weight_map.items()))}))
+    index = timed("index", lambda: _json_bytes(_index_json(layout, checksums)))
     out["coordinator_peak_mib"] = (_status_kib("VmHWM") - base) / 1024
     # The gather buffer: the simulation held the pickles before the baseline, a real coordinator receives them.
     out["coordinator_peak_with_buffer_mib"] = out["coordinator_peak_mib"] + out["gather_buffer_bytes"] / 2**20
@@ -155,7 +155,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     # Load planning of the same checkpoint on N/2 ranks: read_metadata, local plans, what DCP gathers.
     rep = _Reporter()
     load = _simulate_load(shapes, layout, Mesh.of(max(spec["tp"], mesh.size // 2), spec["tp"]), rep)
-    out.update({k: load[k] for k in ("load_world", "load_plan_s", "load_plan_bytes_max", "load_plan_sent_bytes_max", "load_read_items")})
+    out.update({k: load[k] for k in ("load_world", "load_plan_s", "load_plan_bytes_max", "load_plan_sent_bytes_max", "load_read_items", "metadata_reads_per_rank")})
     out["read_metadata_s"] = rep.timings["read_metadata"]
     # One rank unpacks its plan on the write side.
     writer._local = (keep_items, keep_local)
@@ -228,8 +228,8 @@ def finishing_table(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def table(runs: list[dict[str, Any]]) -> list[str]:
-    head = "| case | mode | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes | load (N/2 ranks): read_metadata, plan per rank | load plan: built / sent to DCP per rank |"
-    lines = [head, "|" + "---|" * 3 + "---:|" * (len(PHASES) + 9)]
+    head = "| case | mode | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes | load (N/2 ranks): read_metadata, plan per rank | objects read per loading rank (index size) | load plan: built / sent to DCP per rank |"
+    lines = [head, "|" + "---|" * 3 + "---:|" * (len(PHASES) + 10)]
     for run in runs:
         spec, r = run["spec"], run.get("result")
         if r is None:
@@ -240,7 +240,8 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
             f"| {_case_name(spec)} | {spec.get('mode', 'direct')} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
             f"{_fmt_bytes(r['coordinator_peak_mib'] * 2**20)} (+{_fmt_bytes(r['gather_buffer_bytes'])}) | {_fmt_bytes(r['sent_bytes_max'])} | "
             f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | {r['written_max_over_mean']:.3f} | "
-            f"{r['read_metadata_s'] * 1e3:.0f} ms, {r['load_plan_s'] * 1e3:.0f} ms | {_fmt_bytes(r['load_plan_bytes_max'])} / {_fmt_bytes(r['load_plan_sent_bytes_max'])} |"
+            f"{r['read_metadata_s'] * 1e3:.0f} ms, {r['load_plan_s'] * 1e3:.0f} ms | {r.get('metadata_reads_per_rank', 1 + r['files'])} ({_fmt_bytes(r['index_bytes'])}) | "
+            f"{_fmt_bytes(r['load_plan_bytes_max'])} / {_fmt_bytes(r['load_plan_sent_bytes_max'])} |"
         )
     return lines
 

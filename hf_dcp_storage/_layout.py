@@ -45,6 +45,8 @@ INDEX_NAME = "model.safetensors.index.json"
 CHECKSUM_ALGORITHM_KEY = "checksum_algorithm"
 CHECKSUM_ALGORITHM = "crc32"
 CHECKSUMS_KEY = "checksums"
+# The index's copy of every file's header (its size and header JSON), so that a loader reads one object, not every file.
+HEADERS_KEY = "headers"
 SINGLE_FILE_NAME = "model.safetensors"
 SHARD_NAME_RE = re.compile(r"^model-(\d{5,})-of-(\d{5,})\.safetensors$")
 FORMAT_METADATA = {"format": "pt"}

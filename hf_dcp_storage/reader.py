@@ -26,7 +26,7 @@ from torch.futures import Future
 from . import _fsio
 from ._header import TensorEntry
 from ._hostbuf import HostBuffers, from_host
-from ._hfindex import load_weight_map, read_bytes, read_header
+from ._hfindex import FileHeader, load_weight_map, read_bytes, read_header
 from ._layout import INDEX_NAME, chunk_runs, element_size
 from ._slabs import SLAB_BYTES, slab_bounds, sub_chunk
 from ._parallel import parallel_map
@@ -136,14 +136,18 @@ class HFStorageReader(StorageReader):
         """
         if self.checkpoint_id is None:
             raise ValueError("HFStorageReader has no path: pass HFStorageReader(path) or dcp.load(..., checkpoint_id=path)")
-        weight_map, checksums = self._weight_map()
+        weight_map, checksums, recorded = self._weight_map()
         if self.verify and checksums is None:
             raise ValueError(
                 f"{_fsio.url_of(self.fs, self.root)}: verify=True, but the checkpoint records no checksums "
                 f"(only checkpoints saved by HFStorageWriter have them); load it with verify=False"
             )
         files = sorted(set(weight_map.values()))
-        headers = dict(zip(files, parallel_map(self._read_header, files, self.thread_count), strict=True))
+        # The index's copies where it has them: no request per file (every rank reads this).
+        recorded = recorded or {}
+        unrecorded = [f for f in files if f not in recorded]
+        headers = {f: (h.by_name, h.data_start) for f, h in recorded.items()}
+        headers.update(zip(unrecorded, parallel_map(self._read_header, unrecorded, self.thread_count), strict=True))
         state: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, _Stored] = {}
         for key, file in weight_map.items():
@@ -321,9 +325,8 @@ class HFStorageReader(StorageReader):
                 raise ValueError(f"{self._url(stored.file)}: got {len(blob)} of {requests[j][1] - r0} bytes at {r0}; the file is truncated")
             view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
 
-    def _weight_map(self) -> tuple[dict[str, str], dict[str, int] | None]:
-        """``key -> file`` and the recorded checksums from the index json, or from the single
-        ``model.safetensors`` (no checksums)."""
+    def _weight_map(self) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
+        """``key -> file``, the recorded checksums and headers (``_hfindex.load_weight_map``)."""
         return load_weight_map(self.fs, self.root, self._read_range)
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:

@@ -12,6 +12,7 @@ For an HF checkpoint (``model.safetensors.index.json`` plus shards, or a single
    ``metadata.total_size`` equal to the bytes of the tensors it names;
 2. every file the index names: it exists, its header decodes against the real file size
    (tiling, offsets, dtype and shape agreement, truncation), and nothing follows the last tensor;
+   where the index records the files' headers (``metadata.headers``), each copy equals the file's;
 3. coverage: each index key is in its file's header, each header key is in the index (mapped to
    that file), no key is in two files;
 4. leftovers: ``*.safetensors`` files the index does not name, a ``.hf_dcp_staging/`` folder;
@@ -51,9 +52,10 @@ from ._hfindex import (
     file_name_problem,
     read_header,
     read_index,
+    recorded_headers,
     weight_map_of,
 )
-from ._layout import CHECKSUMS_KEY, INDEX_NAME, SINGLE_FILE_NAME
+from ._layout import CHECKSUMS_KEY, HEADERS_KEY, INDEX_NAME, SINGLE_FILE_NAME
 from ._parallel import parallel_map
 from ._progress import NO_PROGRESS, Progress
 from ._steps import COMMIT_MARKER
@@ -283,6 +285,7 @@ class _Verification:
             self._staging(d)
             return []
         headers = self._headers(d, sorted(set(index.weight_map.values())))
+        self._recorded(d, index, headers)
         self._coverage(d, index, headers)
         self._total_size(d, index, headers)
         self._strays(d, set(index.weight_map.values()))
@@ -363,6 +366,29 @@ class _Verification:
                         f"the file has {result.size}); no complete save leaves any: restore the file from a copy or re-save",
                     )  # fmt: skip
         return headers
+
+    def _recorded(self, d: _Dir, index: _IndexView, headers: dict[str, FileHeader]) -> None:
+        """Step 2, where the index records its files' headers (which loaders read instead of
+        the files'): each copy decodes and equals the file's own header."""
+        if HEADERS_KEY not in index.metadata:
+            return
+        where = d.name(INDEX_NAME)
+        for file in sorted(set(index.weight_map.values())):
+            try:
+                copy = recorded_headers(index.metadata, [file], where)
+            except (ValueError, HeaderError) as exc:
+                self.problem(where, None, str(exc))
+                continue
+            actual = headers.get(file)
+            if not copy or actual is None:
+                continue  # not recorded; or a missing or unreadable file, reported once, by file
+            # The size aside: trailing bytes or truncation are reported by file already.
+            if (copy[file].entries, copy[file].metadata, copy[file].data_start) != (actual.entries, actual.metadata, actual.data_start):
+                self.problem(
+                    where, None,
+                    f"{where}: metadata.{HEADERS_KEY}[{file!r}] differs from the header of {d.name(file)} (a file replaced "
+                    f"after the save?), and loaders read the index's copy; re-save, or drop metadata.{HEADERS_KEY} so that they read the files",
+                )  # fmt: skip
 
     def _coverage(self, d: _Dir, index: _IndexView, headers: dict[str, FileHeader]) -> None:
         """Step 3: the index and the headers name the same tensors, each in one file."""

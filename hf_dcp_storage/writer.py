@@ -31,6 +31,7 @@ from ._layout import (
     CHECKSUM_ALGORITHM,
     CHECKSUM_ALGORITHM_KEY,
     CHECKSUMS_KEY,
+    HEADERS_KEY,
     INDEX_NAME,
     SHARD_NAME_RE,
     SINGLE_FILE_NAME,
@@ -524,15 +525,7 @@ class HFStorageWriter(StorageWriter):
             # Compact plans left DCP's metadata empty; what dcp.save returns should describe the
             # checkpoint as HFStorageReader will: one whole-tensor chunk per key.
             metadata.state_dict_metadata.update(_whole_tensors(layout))
-        index = {
-            "metadata": {
-                "total_size": layout.total_size,
-                CHECKSUM_ALGORITHM_KEY: CHECKSUM_ALGORITHM,
-                CHECKSUMS_KEY: {key: f"{checksums[key]:08x}" for key in sorted(checksums)},
-            },
-            "weight_map": dict(sorted(layout.weight_map.items())),
-        }
-        self._put(_fsio.join(self.root, INDEX_NAME), _json_bytes(index))
+        self._put(_fsio.join(self.root, INDEX_NAME), _json_bytes(_index_json(layout, checksums)))
         # After the commit: until the index exists, the records are what can finish the save.
         _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
         self._owner = None
@@ -987,6 +980,21 @@ def _create_with_header(path: str, header: bytes, size: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _index_json(layout: Layout, checksums: Mapping[str, int]) -> dict[str, Any]:
+    """The index a save of ``layout`` commits: the weight_map, and in its metadata the data's
+    size, each tensor's CRC32 and each file's size and header (which loaders read instead of
+    the files': one object per loading rank, not one or two per file). Pure."""
+    return {
+        "metadata": {
+            "total_size": layout.total_size,
+            CHECKSUM_ALGORITHM_KEY: CHECKSUM_ALGORITHM,
+            CHECKSUMS_KEY: {key: f"{checksums[key]:08x}" for key in sorted(checksums)},
+            HEADERS_KEY: {f.name: {"size": f.size, "header": f.header[8:].decode("utf-8")} for f in layout.files},
+        },
+        "weight_map": dict(sorted(layout.weight_map.items())),
+    }
 
 
 def _json_bytes(obj: object) -> bytes:

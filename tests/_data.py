@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -122,6 +123,17 @@ def read_checkpoint(folder: str | os.PathLike[str]) -> tuple[dict[str, torch.Ten
 def tensor_crc32(t: torch.Tensor) -> str:
     """``zlib.crc32`` of a tensor's bytes in row-major order, as the index writes it (8 hex digits)."""
     return f"{zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()):08x}"
+
+
+def headers_of(files: Mapping[str, bytes]) -> dict[str, dict]:
+    """``metadata.headers`` as the index should record it, from the files' own bytes: each
+    ``.safetensors`` file's size and its header JSON (after the 8-byte length)."""
+    out = {}
+    for name, data in sorted(files.items()):
+        if name.endswith(".safetensors"):
+            n = struct.unpack("<Q", data[:8])[0]
+            out[name] = {"size": len(data), "header": data[8 : 8 + n].decode()}
+    return out
 
 
 def assert_checksums(index: dict, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -125,9 +125,18 @@ def test_index_that_is_not_json(saved: str) -> None:
         _load(saved)
 
 
+def _drop_recorded_headers(url: str) -> None:
+    """As a checkpoint saved by other tools: the loader reads every file's header."""
+    _edit_index(url, lambda ix: ix["metadata"].pop("headers"))
+
+
 def test_truncated_file(saved: str) -> None:
     path = os.path.join(saved, "model-00002-of-00002.safetensors")
     os.truncate(path, os.path.getsize(path) - 1)
+    # The index's copy of the header is read, not the file's: the data read finds the end.
+    with raises_in_checkpoint(ValueError, r"model-00002-of-00002.safetensors: unexpected end of file at byte \d+; the file is truncated"):
+        _load(saved)
+    _drop_recorded_headers(saved)
     with raises_in_checkpoint(AssertionError, r"model-00002-of-00002.safetensors: tensor data ends at byte \d+ but the file has \d+ bytes \(truncated\)"):
         _load(saved)
 
@@ -137,11 +146,32 @@ def test_corrupt_and_oversize_headers(saved: str) -> None:
     data = bytearray(open(path, "rb").read())
     data[8] = ord("#")  # the opening brace of the JSON
     open(path, "wb").write(bytes(data))
+    # The loader reads the index's copy of the headers: the data is intact, so it loads (and
+    # verify_checkpoint reports the broken header, tests/test_inspect_verify.py).
+    out = {"a": torch.zeros(6), "b": torch.zeros(3, 2)}
+    dcp.load(out, storage_reader=HFStorageReader(saved, verify=True))
+    assert torch.equal(out["a"], torch.arange(6.0)) and torch.equal(out["b"], torch.ones(3, 2))
+    _drop_recorded_headers(saved)
     with raises_in_checkpoint(AssertionError, r"model-00001-of-00002.safetensors: header is not valid UTF-8 JSON"):
         _load(saved)
     data[:8] = struct.pack("<Q", 2**40)
     open(path, "wb").write(bytes(data))
     with raises_in_checkpoint(AssertionError, r"header length 1099511627776 exceeds the 100000000-byte cap; the file is corrupt"):
+        _load(saved)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: h.update({"model-00001-of-00002.safetensors": "x"}), r"the entry of 'model-00001-of-00002.safetensors' is x"),
+        (lambda h: h["model-00001-of-00002.safetensors"].update(header="{oops"), r"metadata.headers\['model-00001-of-00002.safetensors'\]: header is not valid UTF-8 JSON"),
+        (lambda h: h["model-00001-of-00002.safetensors"].update(size=10), r"metadata.headers\['model-00001-of-00002.safetensors'\]: .*truncated"),
+    ],
+    ids=["shape", "json", "size"],
+)
+def test_a_malformed_recorded_header_is_refused(saved: str, edit, message: str) -> None:
+    _edit_index(saved, lambda ix: edit(ix["metadata"]["headers"]))
+    with raises_in_checkpoint(AssertionError, message):
         _load(saved)
 
 

@@ -384,6 +384,23 @@ def test_a_wrong_total_size(saved) -> None:
     _only(verify_checkpoint(url), INDEX, None, rf"^{INDEX}: metadata.total_size is {real + 1}, but the tensors the index names hold {real} bytes")
 
 
+def test_a_recorded_header_that_differs_from_its_file(saved) -> None:
+    """Loaders read the index's copy of each header: a copy that no longer matches its file (a
+    file replaced after the save) is reported, by the index."""
+    url, index = saved
+    name = _file_of(index, "layers.0.w")
+    copy = json.loads(index["metadata"]["headers"][name]["header"])
+    entry = copy["layers.0.w"]
+    entry["shape"] = list(reversed(entry["shape"]))  # same bytes, another shape: still decodes
+    assert len(set(entry["shape"])) > 1
+    original = index["metadata"]["headers"][name]["header"]
+    text = json.dumps(copy, separators=(",", ":"))
+    assert len(text) <= len(original)
+    index["metadata"]["headers"][name]["header"] = text.ljust(len(original))  # the data starts where it did
+    _write_index(url, index)
+    _only(verify_checkpoint(url), INDEX, None, rf"metadata.headers\['{re.escape(name)}'\] differs from the header of {re.escape(name)}")
+
+
 def test_trailing_bytes(saved) -> None:
     url, index = saved
     name = _file_of(index, "scalar")

@@ -25,7 +25,7 @@ from safetensors.torch import load as st_load  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 from _checks import raises_in_checkpoint  # noqa: E402
-from _data import assert_checksums, assert_same, folder_bytes, tensor_crc32, random_tensor, seed_of  # noqa: E402
+from _data import assert_checksums, assert_same, folder_bytes, headers_of, tensor_crc32, random_tensor, seed_of  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
 from hf_dcp_storage._header import NAME_TO_DTYPE  # noqa: E402
@@ -154,7 +154,7 @@ def test_index_json_is_exact(s3) -> None:
     objects = _objects(url, options)
     assert sorted(objects) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
     assert json.loads(objects[INDEX]) == {
-        "metadata": {"total_size": 820, "checksum_algorithm": "crc32", "checksums": {k: tensor_crc32(v) for k, v in sd.items()}},
+        "metadata": {"total_size": 820, "checksum_algorithm": "crc32", "checksums": {k: tensor_crc32(v) for k, v in sd.items()}, "headers": headers_of(objects)},
         "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"},
     }
 

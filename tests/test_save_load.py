@@ -17,7 +17,7 @@ from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStor
 from hf_dcp_storage._header import NAME_TO_DTYPE
 
 from _checks import raises_in_checkpoint
-from _data import tensor_crc32
+from _data import headers_of, tensor_crc32
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -95,12 +95,36 @@ def test_bytes_equal_safetensors_own_output() -> None:
 def test_index_is_complete_and_matches_files(url: str) -> None:
     sd = {"a": torch.arange(100.0), "b": -torch.arange(100.0), "c": torch.ones(10, dtype=torch.bfloat16)}
     dcp.save(sd, storage_writer=HFStorageWriter(url, max_shard_size=500))
-    index = json.loads(_files(url)["model.safetensors.index.json"])
+    files = _files(url)
+    index = json.loads(files["model.safetensors.index.json"])
     assert index == {
-        "metadata": {"total_size": 820, "checksum_algorithm": "crc32", "checksums": {k: tensor_crc32(v) for k, v in sd.items()}},
+        "metadata": {"total_size": 820, "checksum_algorithm": "crc32", "checksums": {k: tensor_crc32(v) for k, v in sd.items()}, "headers": headers_of(files)},
         "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"},
     }
-    assert sorted(_files(url)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert sorted(files) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+
+
+def test_metadata_comes_from_the_index_alone(tmp_path) -> None:
+    """The index records every file's header, so a loader's ``read_metadata`` (every rank's)
+    reads one object: with the shards emptied it still describes the checkpoint exactly; an
+    index without the copies (other tools' checkpoints) has the headers read from the files."""
+    url = str(tmp_path / "ck")
+    sd = {"w": torch.randn(16, 8), "b": torch.randn(8, dtype=torch.float64), "s": torch.tensor(3, dtype=torch.int8)}
+    dcp.save(sd, storage_writer=HFStorageWriter(url, max_shard_size=300))
+    shards = sorted(p for p in os.listdir(url) if p.endswith(".safetensors"))
+    assert len(shards) >= 2
+    before = HFStorageReader(url).read_metadata()
+    index_path = os.path.join(url, "model.safetensors.index.json")
+    index = json.loads(open(index_path).read())
+    index["metadata"].pop("headers")
+    open(index_path, "w").write(json.dumps(index))
+    from_files = HFStorageReader(url).read_metadata()
+    assert from_files.state_dict_metadata == before.state_dict_metadata and from_files.storage_data == before.storage_data
+    dcp.save(sd, storage_writer=HFStorageWriter(str(tmp_path / "again"), max_shard_size=300))
+    for name in shards:
+        open(os.path.join(tmp_path, "again", name), "wb").close()  # no header to read any more
+    emptied = HFStorageReader(str(tmp_path / "again")).read_metadata()
+    assert emptied.state_dict_metadata == before.state_dict_metadata and emptied.storage_data == before.storage_data
 
 
 def test_checkpoint_id_and_fqn_to_index_mapping(url: str) -> None:
