@@ -129,7 +129,9 @@ class HFStorageReader(StorageReader):
         return True
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]
-        """(all ranks) Index plus headers -> DCP metadata: one whole-tensor chunk per key.
+        """(all ranks) Index plus headers -> DCP metadata: one whole-tensor chunk per key. The
+        headers are the index's copies where it records them (checkpoints ``HFStorageWriter``
+        saved: one read per rank), else read from the files.
 
         Takes no ``rank`` keyword on purpose: DCP then does not retry with rank-local
         metadata (which HF checkpoints do not have) and reports our error as it is.

@@ -206,6 +206,20 @@ def test_the_tiling_check_agrees_with_counting_every_element(seed: int) -> None:
             assert sorted(w[1:] for w in written) == sorted(expected), trial
 
 
+def test_chunks_ending_past_2_31_are_planned_without_wrapping() -> None:
+    """Rows fit int32 on every rank, but a chunk's end does not: the coordinator keeps int64
+    (an int32 sum would wrap and the tiling check would refuse a valid save)."""
+    n = 2**31 + 10
+    ranks = [[_item("big", (n,), (0,), (n // 2,), torch.int8)], [_item("big", (n,), (n // 2,), (n - n // 2,), torch.int8)]]
+    assert all(encode_local(items).rows.dtype == np.int32 for items in ranks)
+    g, dedup = _plan(ranks)
+    assert g.offsets.dtype == np.int64
+    assert [w[0] for w in _written(g, dedup)] == [0, 1]
+    assert dedup.bytes_per_rank.tolist() == [n // 2, n - n // 2]
+    g, _ = _plan([[_item("small", (8, 4), (0, 0), (8, 4))]])
+    assert (g.offsets.dtype, g.key.dtype, g.rank.dtype) == (np.int32, np.int32, np.int32)  # half the memory
+
+
 def test_a_key_with_two_shapes_across_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match=r"'w' is torch.float32\[4, 4\] on one rank and torch.float32\[4, 5\] on another"):
         _plan([[_item("w", (4, 4), (0, 0), (2, 4))], [_item("w", (4, 5), (2, 0), (2, 5))]])
