@@ -107,6 +107,42 @@ def test_replicated_chunks_get_one_writer_spread_over_ranks() -> None:
     assert writers.count(3) > writers.count(0), writers  # the rank with no shard takes the most
 
 
+@pytest.mark.parametrize("disjoint", [True, False], ids=["tp-groups", "overlapping"])
+def test_each_replicated_chunk_goes_to_the_least_loaded_holder_in_turn(disjoint: bool) -> None:
+    """The writers are the plain greedy's: chunk after chunk (keys in order, then offsets), the
+    holder with the fewest bytes so far (the lower rank on ties), starting from each rank's
+    unreplicated bytes; whether a key's holders are disjoint groups (TP: planned at once) or not."""
+    rng = np.random.default_rng(7 if disjoint else 8)
+    world = 8
+    ranks: list[list[WriteItem]] = [[_item(f"own{r}", (1, 64 * (1 + r % 3)), (0, 0), (1, 64 * (1 + r % 3)))] for r in range(world)]
+    for k in range(6):
+        rows = 4 if disjoint else 8
+        for row in range(rows):
+            # Disjoint: row i on TP pair i (ranks 2i, 2i + 1), as TP-replicated FSDP shards are.
+            holders = [2 * row, 2 * row + 1] if disjoint else sorted(rng.choice(world, size=int(rng.integers(2, 5)), replace=False).tolist())
+            for r in holders:
+                ranks[r].append(_item(f"rep{k}", (rows, 16), (row, 0), (1, 16)))
+    g, dedup = _plan(ranks)
+    # The reference: the greedy spelled out on the chunks themselves.
+    load = [0] * world
+    held: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for row in range(len(g.key)):
+        spec = g.specs[int(g.key[row])]
+        nbytes = 4 * int(np.prod(g.sizes[row, : len(spec.shape)]))
+        if spec.key.startswith("own"):
+            load[int(g.rank[row])] += nbytes
+        else:
+            held.setdefault((int(g.key[row]), tuple(g.offsets[row].tolist())), []).append(int(g.rank[row]))
+    expected = set()
+    for (k, offsets), holders in sorted(held.items()):
+        best = min(sorted(holders), key=lambda r: (load[r], r))
+        load[best] += 4 * 16
+        expected.add((best, g.specs[k].key, offsets[:2]))
+    written = {(r, key, o) for r, key, o, _ in _written(g, dedup) if key.startswith("rep")}
+    assert written == expected
+    assert dedup.bytes_per_rank.tolist() == load
+
+
 def test_empty_chunks_are_kept_once_and_cover_nothing() -> None:
     ranks = [[_item("t", (3, 4), (0, 0), (2, 4))], [_item("t", (3, 4), (2, 0), (1, 4))], [_item("t", (3, 4), (3, 0), (0, 4))], [_item("t", (3, 4), (3, 0), (0, 4))]]
     g, dedup = _plan(ranks)
