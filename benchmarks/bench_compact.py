@@ -19,7 +19,7 @@ Each case runs in a fresh process, phase by phase, as ``dcp.save`` runs them wit
 3. finish: each rank's one packed ``WriteResult`` pickled and unpickled (DCP's gather of the
    results), the CRC32s joined per key and DCP's metadata filled in, the index encoded.
 4. load planning of the same checkpoint on N/2 ranks (``bench_scale._simulate_load``):
-   ``read_metadata`` on the index and headers (sparse files), a few ranks' local load plans, and
+   ``read_metadata`` on the index (which records the headers; sparse files), a few ranks' local load plans, and
    what each sends through DCP's global step (``HFStorageReader.prepare_local_plan`` keeps the
    read items on the rank);
 5. one rank's write-side unpacking of its plan (``_unpack_table``).

@@ -393,7 +393,8 @@ def _write_sparse_checkpoint(layout: Layout, folder: Path) -> dict[str, int]:
 
 
 def _simulate_load(shapes: list[tuple[str, tuple[int, ...]]], layout: Layout, load_mesh: Mesh, rep: _Reporter) -> dict[str, Any]:
-    """Every rank's load planning: ``read_metadata`` (index + headers) and its local load plan."""
+    """Every rank's load planning: ``read_metadata`` (the index, which records the headers) and
+    its local load plan."""
     folder = Path(tempfile.mkdtemp(prefix="bench_scale_"))
     try:
         out: dict[str, Any] = _write_sparse_checkpoint(layout, folder)

@@ -2,10 +2,11 @@
 
 The coordinator plans every file's parts from the byte runs the chunks make in it
 (``_s3parts.plan_file_parts``) and, for each gathered part, where its bytes sit in the ranks'
-staged objects (``_spread.GatherTask``). A column-sharded tensor makes one run per row per rank
-(161 M runs at 405B over 1,024 x 8 ranks): such a tensor is one run of mixed ranks here, always
-gathered, and its chunks are named whole in the tasks, so nothing is ever done per row on the
-coordinator. Everything else is numpy over the chunks, a Python step per part.
+staged objects, given out to the ranks by bytes, each rank's share one ``_spread.GatherTasks``.
+A column-sharded tensor makes one run per row per rank (161 M runs at 405B over 1,024 x 8
+ranks): such a tensor is one run of mixed ranks here, always gathered, and its chunks are named
+whole in the tasks, so nothing is ever done per row on the coordinator. Everything else is numpy
+over the chunks, a Python step per part where parts are cut and per rank where shares are made.
 
 What the ranks do agrees by construction: a rank routes each byte run it writes into one of its
 own parts or into its staged object of the file (``_s3parts.route_run``), chunk after chunk in
@@ -150,8 +151,7 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
         chunk, part, in_part, col = chunk[staged], part[staged], in_part[staged], col[staged]
     a = np.where(col, lo[chunk], np.maximum(lo[chunk], p_lo[in_part]))
     nbytes = np.where(col, hi[chunk], np.minimum(hi[chunk], p_hi[in_part])) - a
-    del in_part, hi
-    del lo
+    del in_part, hi, lo
     offset = staged_offsets(placed.rank[chunk], placed.file[chunk], nbytes)
     # What the column-sharded chunks need below, so that the rest can go first.
     cols = np.flatnonzero(col)
