@@ -226,8 +226,7 @@ def check_and_dedup(g: GlobalChunks) -> Dedup:
         a, b = bounds[k], bounds[k + 1]
         o = np.lexsort((*sizes[a:b].T[::-1], *offsets[a:b].T[::-1]))
         order[a:b], offsets[a:b], sizes[a:b] = order[a:b][o], offsets[a:b][o], sizes[a:b][o]
-    if unsorted:
-        later, equal = _against_previous([*offsets.T, *sizes.T])
+        later[a : b - 1], equal[a : b - 1] = _against_previous([*offsets[a:b].T, *sizes[a:b].T])  # this key's pairs only
     same = np.zeros(n, dtype=bool)
     same[1:] = same_key & equal
     del later, equal, same_key

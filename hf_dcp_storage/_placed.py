@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from ._compact import Dedup, GlobalChunks, encode_local, gather
 from ._layout import Layout, element_size
 
-__all__ = ["PlacedChunks", "place_chunks", "place_items", "staged_offsets", "stable_order"]
+__all__ = ["PlacedChunks", "place_chunks", "place_items", "key_strides", "staged_offsets", "stable_order"]
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,7 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
     shape = np.zeros((len(g.specs), width), dtype=np.int64)
     for k, spec in enumerate(g.specs):
         shape[k, : len(spec.shape)] = spec.shape
-    # Row-major element strides of each key; zero past its ndim (padded offsets are zero too).
-    strides = np.zeros_like(shape)
-    for k, spec in enumerate(g.specs):
-        s = 1
-        for d in range(len(spec.shape) - 1, -1, -1):
-            strides[k, d] = s
-            s *= spec.shape[d]
+    strides = key_strides(shape, ndim)
     itemsize = np.array([element_size(s.dtype) for s in g.specs], dtype=np.int64)
     tensor_start = np.array([layout.tensor_start[s.key] for s in g.specs], dtype=np.int64)
     file_of = np.array([layout.file_of[s.key] for s in g.specs], dtype=np.int64)
@@ -117,6 +111,18 @@ def place_items(layout: Layout, plans: Sequence[SavePlan]) -> PlacedChunks:
     save's rank records list them, when an interrupted save is finished)."""
     g = gather([encode_local(plan.items) for plan in plans])
     return place_chunks(g, Dedup(np.empty(0, dtype=np.int64), np.zeros(len(plans), dtype=np.int64)), layout)
+
+
+def key_strides(shape: np.ndarray, ndim: np.ndarray) -> np.ndarray:
+    """Row-major element strides of each key (``shape`` padded, ``ndim`` per key); zero past its
+    ndim, where chunks' offsets and sizes are zero too."""
+    strides = np.zeros_like(shape)
+    for k, (dims, nd) in enumerate(zip(shape.tolist(), ndim.tolist(), strict=True)):
+        step = 1
+        for d in range(nd - 1, -1, -1):
+            strides[k, d] = step
+            step *= dims[d]
+    return strides
 
 
 def staged_offsets(rank: np.ndarray, file: np.ndarray, nbytes: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._layout import Layout
-from ._placed import PlacedChunks, stable_order, staged_offsets
+from ._placed import PlacedChunks, key_strides, stable_order, staged_offsets
 from ._s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
 from ._spread import GatherTasks, assign, file_tensors
 
@@ -220,12 +220,7 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
 def _last_byte(placed: PlacedChunks, c: np.ndarray) -> np.ndarray:
     """Offset in its file of each chunk's last byte: a column at a time, each key's strides from
     a small table (zero past its ndim, where offsets and sizes are zero too)."""
-    strides = np.zeros_like(placed.shape)
-    for k, (shape, nd) in enumerate(zip(placed.shape.tolist(), placed.ndim.tolist(), strict=True)):
-        step = 1
-        for d in range(nd - 1, -1, -1):
-            strides[k, d] = step
-            step *= shape[d]
+    strides = key_strides(placed.shape, placed.ndim)
     key = placed.key[c]
     element = np.zeros(len(c), dtype=np.int64)
     for d in range(placed.offsets.shape[1]):
