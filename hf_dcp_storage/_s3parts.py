@@ -113,8 +113,8 @@ def plan_file_parts(
     least ``min_part`` (but the file's last part); a gap under ``min_part`` before a big run
     takes that run's first bytes to reach it, or, if too little would be left, the whole run. A
     gathered part whose bytes (the header aside) all belong to one rank is that rank's to send.
-    Pure; a Python step per big run and per part, numpy per run, so a file of a million small
-    runs costs little.
+    Pure; a Python step per big run and an object per part, numpy per run and per part, so a
+    file of a million small runs costs little.
 
     Raises:
         ValueError: the runs do not tile the file, or the file needs more than 10,000 parts.
@@ -127,12 +127,11 @@ def plan_file_parts(
     # Both part sizes grow for a huge file so that each kind stays under half the part limit.
     rank_part = max(rank_part, 2 * min_part, -(-size // (MAX_PARTS // 2)))
     gather_target = max(min_part, gather_part, -(-size // (MAX_PARTS // 2)))
-    cuts: list[tuple[int, int, int, bool]] = []  # (start, end, rank or -1 gathered, header in front)
+    segments: list[tuple[np.ndarray, int, bool]] = []  # (edges, rank or -1 gathered, header in front)
 
     def gather(a: int, b: int) -> None:
         count = max(1, (b - a) // gather_target)
-        edges = [a + (b - a) * i // count for i in range(count + 1)]
-        cuts.extend((x, y, -1, False) for x, y in zip(edges, edges[1:]))
+        segments.append((a + (b - a) * np.arange(count + 1, dtype=np.int64) // count, -1, False))
 
     pos = 0  # bytes before pos have their parts
     for i in np.flatnonzero((run_bytes >= min_part) & (run_ranks >= 0)).tolist():
@@ -146,29 +145,34 @@ def plan_file_parts(
             need = min_part - gap
             if n - need < min_part:
                 continue  # too little would be left for a part of its own: all gathered
-            cuts.append((pos, s + need, -1, False))
+            segments.append((np.array([pos, s + need], dtype=np.int64), -1, False))
             s, n = s + need, n - need
         count = -(-n // rank_part)
-        edges = [s + n * j // count for j in range(count + 1)]
-        cuts.extend((x, y, r, head and j == 0) for j, (x, y) in enumerate(zip(edges, edges[1:])))
+        segments.append((s + n * np.arange(count + 1, dtype=np.int64) // count, r, head))
         pos = int(ends[i])
     if pos < size:
         gather(pos, size)
-    if len(cuts) > MAX_PARTS:
-        raise ValueError(f"the file needs {len(cuts)} multipart parts, over S3's limit of {MAX_PARTS}; lower max_shard_size")
+    if not segments:
+        return []
+    start = np.concatenate([e[:-1] for e, _, _ in segments])
+    end = np.concatenate([e[1:] for e, _, _ in segments])
+    if len(start) > MAX_PARTS:
+        raise ValueError(f"the file needs {len(start)} multipart parts, over S3's limit of {MAX_PARTS}; lower max_shard_size")
+    rank = np.concatenate([np.full(len(e) - 1, r, dtype=np.int64) for e, r, _ in segments])
+    header = np.zeros(len(start), dtype=bool)
+    header[np.cumsum([0] + [len(e) - 1 for e, _, _ in segments[:-1]])] = [h for _, _, h in segments]
     # A gathered part of one rank's bytes (the header aside): that rank sends it, nothing staged.
-    at = np.array([max(a, header_len) for a, _, r, _ in cuts], dtype=np.int64)
-    run = np.searchsorted(run_starts, at, side="right") - 1
-    parts: list[RankPart | GatherPart] = []
-    for j, (a, b, r, head) in enumerate(cuts):
-        i = int(run[j])
-        if r < 0 and at[j] < b and i >= 0 and run_ranks[i] >= 0 and ends[i] >= b:
-            parts.append(RankPart(j + 1, int(run_ranks[i]), int(at[j]), b, header=a == 0 and header_len > 0))
-        elif r < 0:
-            parts.append(GatherPart(j + 1, a, b))
-        else:
-            parts.append(RankPart(j + 1, r, a, b, header=head))
-    return parts
+    if len(run_starts):
+        at = np.maximum(start, header_len)
+        run = np.maximum(np.searchsorted(run_starts, at, side="right") - 1, 0)
+        one = (rank < 0) & (at < end) & (run_starts[run] <= at) & (run_ranks[run] >= 0) & (ends[run] >= end)
+        header |= one & (start == 0) & (header_len > 0)
+        rank = np.where(one, run_ranks[run], rank)
+        start = np.where(one, at, start)
+    return [
+        RankPart(j, r, a, b, header=h) if r >= 0 else GatherPart(j, a, b)
+        for j, r, a, b, h in zip(range(1, len(start) + 1), rank.tolist(), start.tolist(), end.tolist(), header.tolist(), strict=True)
+    ]
 
 
 def route_run(start: int, n: int, part_starts: Sequence[int], parts: Sequence[RankPart]) -> Iterator[tuple[int, int, RankPart | None]]:

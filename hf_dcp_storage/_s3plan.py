@@ -6,7 +6,7 @@ staged objects, given out to the ranks by bytes, each rank's share one ``_spread
 A column-sharded tensor makes one run per row per rank (161 M runs at 405B over 1,024 x 8
 ranks): such a tensor is one run of mixed ranks here, always gathered, and its chunks are named
 whole in the tasks, so nothing is ever done per row on the coordinator. Everything else is numpy
-over the chunks, a Python step per part where parts are cut and per rank where shares are made.
+over the chunks, an object per part and a Python step per rank where shares are made.
 
 What the ranks do agrees by construction: a rank routes each byte run it writes into one of its
 own parts or into its staged object of the file (``_s3parts.route_run``), chunk after chunk in
@@ -17,12 +17,13 @@ pieces the parts leave. Pure: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ._layout import Layout
-from ._placed import PlacedChunks, key_strides, stable_order, staged_offsets
+from ._placed import PlacedChunks, key_strides, stable_order
 from ._s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
 from ._spread import GatherTasks, assign, file_tensors
 
@@ -46,48 +47,69 @@ def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
         ValueError: a file needs more than S3's 10,000 parts.
     """
     strided = _strided(placed)
-    nfiles = len(layout.files)
     file_base = np.concatenate(([0], np.cumsum([f.size for f in layout.files], dtype=np.int64)))
-
-    # Byte runs in file order: a row-sharded chunk is one; a column-sharded tensor one, rank -1.
+    position = file_base[placed.file] + placed.start  # of each chunk's first byte, in all files' bytes
+    # Byte runs: a row-sharded chunk is one; a column-sharded tensor one, of rank -1.
     row = np.flatnonzero(~strided & (placed.nbytes > 0))
     mixed_keys = np.flatnonzero(np.bincount(placed.key[strided], minlength=len(placed.key_names)))
     key_bytes = np.array([np.prod(s[: n]) for s, n in zip(placed.shape[mixed_keys].tolist(), placed.ndim[mixed_keys].tolist(), strict=True)], dtype=np.int64) * placed.itemsize[mixed_keys]
-    run_file = np.concatenate((placed.file[row], placed.key_file[mixed_keys]))
-    run_start = np.concatenate((placed.start[row], placed.tensor_start[mixed_keys]))
-    run_bytes = np.concatenate((placed.nbytes[row], key_bytes))
-    run_rank = np.concatenate((placed.rank[row], np.full(len(mixed_keys), -1, dtype=np.int64)))
-    order = _file_order(run_file, run_start, np.concatenate((placed.key[row], mixed_keys)), placed, file_base)
-    run_file, run_start, run_bytes, run_rank = run_file[order], run_start[order], run_bytes[order], run_rank[order]
-    del order
-    # Neighbouring runs of one rank join (a rank's small tensors side by side, a one-rank save).
-    new = np.ones(len(run_file), dtype=bool)
-    new[1:] = (run_file[1:] != run_file[:-1]) | (run_rank[1:] != run_rank[:-1]) | (run_rank[1:] < 0)
-    heads = np.flatnonzero(new)
-    run_file, run_start, run_rank = run_file[heads], run_start[heads], run_rank[heads]
-    run_bytes = np.add.reduceat(run_bytes, heads) if len(heads) else run_bytes[:0]
-    bounds = np.searchsorted(run_file, np.arange(nfiles + 1))
+    # A run's chunk in ``placed``; a column-sharded tensor's ``-1 - m``, ``m`` its place in ``mixed_keys``.
+    run_chunk = np.concatenate((row, -1 - np.arange(len(mixed_keys))))
+    order, start = _file_order(np.concatenate((position[row], file_base[placed.key_file[mixed_keys]] + placed.tensor_start[mixed_keys])), np.concatenate((placed.key[row], mixed_keys)), placed, file_base)
+    chunk = run_chunk[order]
+    del order, run_chunk, row
+    # The rest of each run from its chunk (a gather per column: chunks listed rank after rank
+    # come here key after key), then a mixed tensor's (where ``chunk`` counts from the end).
+    runs = _Runs(start, placed.nbytes[chunk], placed.rank[chunk], (placed.staged - position)[chunk])
+    mixed = np.flatnonzero(chunk < 0)
+    runs.nbytes[mixed], runs.rank[mixed] = key_bytes[-1 - chunk[mixed]], -1
+    del chunk, mixed
+    bounds = np.searchsorted(runs.start, file_base)
     gather_part = gather_part_bytes(int(placed.nbytes.sum()), world)
     parts = []
     for f, plan in enumerate(layout.files):
         a, b = bounds[f], bounds[f + 1]
-        parts.append(plan_file_parts(len(plan.header), plan.size, run_start[a:b], run_bytes[a:b], run_rank[a:b], gather_part=gather_part))
-    del run_file, run_start, run_bytes, run_rank  # a row per chunk: freed before the tasks' arrays
-    return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, file_base, world))
+        parts.append(plan_file_parts(len(plan.header), plan.size, *_joined(runs.start[a:b] - file_base[f], runs.nbytes[a:b], runs.rank[a:b]), gather_part=gather_part))
+    return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, runs, position, file_base, world))
 
 
-def _file_order(file: np.ndarray, start: np.ndarray, key: np.ndarray, placed: PlacedChunks, file_base: np.ndarray) -> np.ndarray:
-    """The order of runs (chunks of ``key``s, listed rank after rank) in output order: by key in
-    output order (a radix sort), which puts them in order already when each key's chunks come
-    rank after rank in output order (row shards: FSDP); else a full sort."""
+@dataclass(frozen=True)
+class _Runs:
+    """The save's byte runs in output order, all files' bytes end to end: where each starts, its
+    bytes, its rank (``-1``: a column-sharded tensor, one run) and, of a row-sharded chunk, its
+    offset in its rank's staged object less its start, were the rank to stage it whole."""
+
+    start: np.ndarray
+    nbytes: np.ndarray
+    rank: np.ndarray
+    staged: np.ndarray
+
+
+def _joined(start: np.ndarray, nbytes: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One file's runs with neighbouring runs of one rank joined (a rank's small tensors side by
+    side, a one-rank save), as ``plan_file_parts`` takes them."""
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (rank[1:] < 0)
+    heads = np.flatnonzero(new)
+    if len(heads) == len(start):
+        return start, nbytes, rank
+    return start[heads], np.add.reduceat(nbytes, heads), rank[heads]
+
+
+def _file_order(start: np.ndarray, key: np.ndarray, placed: PlacedChunks, file_base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The order of runs (chunks of ``key``s, listed rank after rank; ``start`` in all files'
+    bytes) in output order, and their starts in it: by key in output order (a radix sort),
+    which puts them in order already when each key's chunks come rank after rank in output
+    order (row shards: FSDP); else a full sort."""
     key_at = file_base[placed.key_file] + placed.tensor_start
     key_ordinal = np.empty(len(key_at), dtype=np.int64)
     key_ordinal[np.argsort(key_at, kind="stable")] = np.arange(len(key_at))
     order = stable_order(key_ordinal[key])
-    position = file_base[file] + start
-    if len(order) > 1 and not (position[order][1:] > position[order][:-1]).all():
-        order = np.argsort(position, kind="stable")
-    return order
+    ordered = start[order]
+    if len(order) > 1 and not (ordered[1:] > ordered[:-1]).all():
+        order = np.argsort(start, kind="stable")
+        ordered = start[order]
+    return order, ordered
 
 
 def _strided(placed: PlacedChunks) -> np.ndarray:
@@ -106,16 +128,24 @@ def _strided(placed: PlacedChunks) -> np.ndarray:
     return mixed[placed.key]
 
 
-def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPart | GatherPart]], strided: np.ndarray, file_base: np.ndarray, world: int) -> list[GatherTasks]:
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The indices ``lo[0]:hi[0]``, then ``lo[1]:hi[1]``, ... in one array."""
+    n = hi - lo
+    return np.arange(int(n.sum()), dtype=np.int64) + np.repeat(lo - (np.cumsum(n) - n), n)
+
+
+def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPart | GatherPart]], strided: np.ndarray, runs: _Runs, position: np.ndarray, file_base: np.ndarray, world: int) -> list[GatherTasks]:
     """Each rank's gathered parts, with what each holds: the header's bytes in it, the staged
     pieces of row-sharded chunks in it, and the column-sharded chunks that reach into it.
 
-    The parts are given out first, so that every row is put straight where it ends up (rank
-    after rank, part after part) and each rank's share is a slice: a row-sharded chunk's pieces
-    are several hundred MiB at 405B over 8,192 ranks, and a second copy of them would be the
-    coordinator's largest allocation."""
+    The parts are given out first and taken rank after rank (their slots); the runs and the
+    column-sharded chunks, in output order, are searched once per part (a part's runs are a
+    range of them), so every row is built straight where it ends up and each rank's share is a
+    slice: nothing is searched per chunk, and only the column-sharded chunks are sorted (by
+    key, a radix sort; FSDP x TP lists them in order). Where a rank uploads parts of its own, its
+    staged object lacks their bytes, so its later staged offsets in that file move down."""
     flat = [p for ps in parts for p in ps]
-    # Parts as arrays, in global byte order (file after file).
+    # Parts as arrays, in output order (file after file).
     p_file = np.repeat(np.arange(len(parts)), [len(ps) for ps in parts])
     p_start = np.array([p.start for p in flat], dtype=np.int64)
     p_end = np.array([p.end for p in flat], dtype=np.int64)
@@ -130,75 +160,52 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     rank_at = np.searchsorted(rank_of[by_rank], np.arange(world + 1))
     in_file, tensors = file_tensors(layout, placed.key_names)
     width = placed.offsets.shape[1]
-    # Each chunk in the order its rank stages (placed order), cut where parts begin: a
-    # row-sharded chunk into its pieces per part, a column-sharded one whole (all staged).
-    lo = file_base[placed.file] + placed.start
-    hi = lo + placed.nbytes
-    first = np.searchsorted(p_lo, lo, side="right") - 1
-    # The part of a chunk's last byte: its first part's, but for the few chunks that reach past it.
-    last = first.copy()
-    beyond = np.flatnonzero(hi > p_hi[np.minimum(first, len(p_hi) - 1)])
-    last[beyond] = np.searchsorted(p_lo, hi[beyond], side="left") - 1
-    count = np.where(placed.nbytes > 0, np.where(strided, 1, last - first + 1), 0)
-    del last, beyond
-    chunk = np.repeat(np.arange(len(lo)), count)
-    part = first[chunk] + (np.arange(len(chunk)) - np.repeat(np.cumsum(count) - count, count))
-    del count
-    col = strided[chunk]
-    in_part = np.minimum(part, len(p_lo) - 1)  # a column-sharded chunk's ``part`` means nothing
-    staged = col | p_gather[in_part]
-    if not staged.all():  # at thousands of ranks every byte is gathered: no copies then
-        chunk, part, in_part, col = chunk[staged], part[staged], in_part[staged], col[staged]
-    a = np.where(col, lo[chunk], np.maximum(lo[chunk], p_lo[in_part]))
-    nbytes = np.where(col, hi[chunk], np.minimum(hi[chunk], p_hi[in_part])) - a
-    del in_part, hi, lo
-    offset = staged_offsets(placed.rank[chunk], placed.file[chunk], nbytes)
-    # What the column-sharded chunks need below, so that the rest can go first.
-    cols = np.flatnonzero(col)
-    c, c_offset = chunk[cols], offset[cols]
-    c_first = first[c]
-    del first, cols
-    # Row-sharded pieces, rows (rank, file offset, staged offset, bytes), by slot of their part.
-    rows = None if not col.any() else np.flatnonzero(~col)
-
-    def row_sharded(x: np.ndarray) -> np.ndarray:
-        return x if rows is None else x[rows]
-
-    rc = row_sharded(chunk)
-    row_slot = slot[row_sharded(part)]
-    del part, chunk
-    by_slot = stable_order(row_slot)
-    piece_at = np.searchsorted(row_slot[by_slot], np.arange(len(gathered) + 1))
-    del row_slot
-    pieces = np.empty((len(by_slot), 4), dtype=np.int64)
-    pieces[:, 0] = placed.rank[rc][by_slot]
-    pieces[:, 1] = (row_sharded(a) - file_base[placed.file[rc]])[by_slot]
-    pieces[:, 2] = row_sharded(offset)[by_slot]
-    pieces[:, 3] = row_sharded(nbytes)[by_slot]
-    del rc, by_slot, a, nbytes, offset
-    # Column-sharded chunks: every gathered part their first to last byte reaches.
-    extent_hi = _last_byte(placed, c) + file_base[placed.file[c]] + 1
-    c_last = c_first.copy()
-    beyond = np.flatnonzero(extent_hi > p_hi[c_first])
-    c_last[beyond] = np.searchsorted(p_lo, extent_hi[beyond], side="left") - 1
-    c_count = c_last - c_first + 1
-    del c_last, beyond, extent_hi
-    which = np.repeat(np.arange(len(c)), c_count)
-    c_slot = slot[c_first[which] + (np.arange(len(which)) - np.repeat(np.cumsum(c_count) - c_count, c_count))]
-    which, c_slot = which[c_slot >= 0], c_slot[c_slot >= 0]
-    o = stable_order(c_slot)
-    which, c_slot = which[o], c_slot[o]
-    strided_at = np.searchsorted(c_slot, np.arange(len(gathered) + 1))
-    cc = c[which]
+    # Row-sharded pieces: each gathered part's runs (in slot order), the first and last cut to
+    # the part. ``runs`` without the column-sharded tensors, where there are any.
+    row = np.flatnonzero(runs.rank >= 0) if (runs.rank < 0).any() else slice(None)
+    start, rank, staged = runs.start[row], runs.rank[row], runs.staged[row]
+    end = start + runs.nbytes[row]
+    del row
+    order = gathered[by_rank]
+    lo, hi = p_lo[order], p_hi[order]
+    take, counts = _reaching(start, end, lo, hi)
+    piece_at = np.concatenate(([0], np.cumsum(counts)))
+    some = np.flatnonzero(counts)
+    a, b = start[take], end[take]
+    a[piece_at[some]] = np.maximum(a[piece_at[some]], lo[some])
+    b[piece_at[some + 1] - 1] = np.minimum(b[piece_at[some + 1] - 1], hi[some])
+    del some, end
+    pieces = np.empty((len(take), 4), dtype=np.int64)
+    pieces[:, 0] = rank[take]
+    pieces[:, 2] = staged[take] + a  # the piece's staged offset, were its rank to stage every byte
+    pieces[:, 3] = b - a
+    del b
+    a -= np.repeat(file_base[p_file[order]], counts)
+    pieces[:, 1] = a
+    del take, start, rank, staged, a
+    # Column-sharded chunks (each staged whole), in output order by first byte: every gathered
+    # part between their first and last byte.
+    c = np.flatnonzero(strided & (placed.nbytes > 0))
+    c_order, c_lo = _file_order(position[c], placed.key[c], placed, file_base)
+    c = c[c_order]
+    del c_order
+    c_take, c_counts = _reaching(c_lo, _last_byte(placed, c) + file_base[placed.file[c]] + 1, lo, hi)
+    strided_at = np.concatenate(([0], np.cumsum(c_counts)))
+    cc = c[c_take]
+    del c, c_lo, c_take, lo, hi
     col_rows = np.empty((len(cc), 3 + 2 * width), dtype=np.int64)
     col_rows[:, 0] = placed.rank[cc]
     col_rows[:, 1] = in_file[placed.key[cc]]
-    col_rows[:, 2] = c_offset[which]
+    col_rows[:, 2] = placed.staged[cc]
     col_rows[:, 3 : 3 + width] = np.take(placed.offsets, cc, axis=0)
     col_rows[:, 3 + width :] = np.take(placed.sizes, cc, axis=0)
-    del cc, which, c, c_offset
+    own = np.flatnonzero(~p_gather)
+    if len(own):  # a rank stages none of its own parts' bytes: its later staged bytes move down
+        before = _own_bytes_before(own, np.array([flat[j].rank for j in own.tolist()], dtype=np.int64), p_end - p_start, np.searchsorted(p_file, p_file))
+        pieces[:, 2] -= before(pieces[:, 0], np.repeat(order, counts))
+        col_rows[:, 2] -= before(col_rows[:, 0], np.repeat(order, c_counts))
+    del cc, own, counts, c_counts
     # Each rank's share: slices of the arrays above.
-    order = gathered[by_rank]
     table = np.stack((p_file[order], np.array([flat[j].number for j in order.tolist()], dtype=np.int64), p_start[order], p_end[order]), axis=1)
     headers = [f.header for f in layout.files]
     heads = {int(slot[j]): headers[p_file[j]][p_start[j] : p_end[j]] for j in gathered[p_start[gathered] < np.array([len(h) for h in headers], dtype=np.int64)[p_file[gathered]]].tolist()}
@@ -215,6 +222,38 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
             )
         )
     return out
+
+
+def _reaching(lo: np.ndarray, hi: np.ndarray, part_lo: np.ndarray, part_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The items (byte ranges ``[lo, hi)``, sorted by ``lo``) that reach into each part
+    ``[part_lo, part_hi)``, part after part, and how many per part. Where the ``hi`` are sorted
+    too (disjoint runs; a grid's chunks) a part's items are a range; else the ranges by the
+    running maximum of ``hi`` hold them, and the rest are dropped."""
+    sorted_hi = len(hi) < 2 or bool((hi[1:] >= hi[:-1]).all())
+    reach = hi if sorted_hi else np.maximum.accumulate(hi)
+    first, stop = np.searchsorted(reach, part_lo, side="right"), np.searchsorted(lo, part_hi)
+    take, counts = _ranges(first, stop), stop - first
+    if not sorted_hi:
+        part = np.repeat(np.arange(len(part_lo)), counts)
+        keep = hi[take] > part_lo[part]
+        take, counts = take[keep], np.bincount(part[keep], minlength=len(part_lo))
+    return take, counts
+
+
+def _own_bytes_before(own: np.ndarray, own_rank: np.ndarray, nbytes: np.ndarray, file_first: np.ndarray) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """``before(rank, part)``: the bytes of ``rank``'s own parts (indices ``own``, of ranks
+    ``own_rank``; ``nbytes`` and the first part of its file per part) that come before part
+    ``part`` in its file, which its rank does not stage."""
+    span = len(nbytes)
+    key = own_rank * span + own
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    cum = np.concatenate(([0], np.cumsum(nbytes[own][order])))
+
+    def before(rank: np.ndarray, part: np.ndarray) -> np.ndarray:
+        return cum[np.searchsorted(key, rank * span + part)] - cum[np.searchsorted(key, rank * span + file_first[part])]
+
+    return before
 
 
 def _last_byte(placed: PlacedChunks, c: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from _data import assert_same, folder_bytes, random_tensor, seed_of
 from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
-from hf_dcp_storage._layout import chunk_runs, collect_tensor_specs, parse_size, place_items, plan_layout
+from hf_dcp_storage._layout import chunk_runs, chunk_runs_array, collect_tensor_specs, parse_size, place_items, plan_layout
 from hf_dcp_storage._placed import place_items as place_written
 from hf_dcp_storage._s3parts import GatherPart, RankPart, route_run
 from hf_dcp_storage._spread import GatherTask, MergeTask, assign
@@ -127,6 +128,20 @@ def _two_chunk_plans(world: int) -> list[SavePlan]:
     return plans
 
 
+def _uneven_column_plans(world: int) -> list[SavePlan]:
+    """Column shards that are no grid: per key, one rank holds a tall column block and the
+    others the rest of the columns in row bands, so a later chunk by first byte can end before
+    an earlier one (the tall block ends last)."""
+    plans: list[list[WriteItem]] = [[] for _ in range(world)]
+    for key, rows, cols in (("a", 4096, 3000), ("b", 2048, 5000)):
+        tall = cols // 4
+        plans[0].append(_item(key, (rows, cols), (0, 0), (rows, tall)))
+        for r in range(1, world):
+            lo, hi = (r - 1) * rows // (world - 1), r * rows // (world - 1)
+            plans[r].append(_item(key, (rows, cols), (lo, tall), (hi - lo, cols - tall)))
+    return [SavePlan(items) for items in plans]
+
+
 def _dtensor_plans(world: int) -> list[SavePlan]:
     """DCP's plans for FSDP x TP DTensors (uint8 here, so the bytes are easy to make)."""
     shapes = [("wq", (4096, 4096)), ("w1", (6000, 2048)), ("w2", (2048, 6000)), ("norm", (1024,)), ("emb", (8192, 1024))]
@@ -143,7 +158,7 @@ def _fsdp_plans(world: int) -> list[SavePlan]:
     return dcp_global_plan(plans, {})[0]
 
 
-@pytest.mark.parametrize("make", [_dtensor_plans, _two_chunk_plans, _fsdp_plans], ids=["dtensor-2d", "two-chunks-per-rank", "fsdp-big-and-small"])
+@pytest.mark.parametrize("make", [_dtensor_plans, _two_chunk_plans, _fsdp_plans, _uneven_column_plans], ids=["dtensor-2d", "two-chunks-per-rank", "fsdp-big-and-small", "columns-no-grid"])
 def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make) -> None:
     """Stage every rank's bytes as ``_write_s3`` routes them, then assemble each gathered part
     from its task's sources: byte for byte the consolidated file's part; the ranks' own parts
@@ -181,6 +196,10 @@ def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make) ->
         part = gathers[(task.file, task.number)]
         assert data == bytes(files[task.file][part.start : part.end]), f"file {task.file} part {task.number}"
         used += len(data) - len(task.head)
+        for rank, t, _, *dims in np.frombuffer(task.strided, dtype=np.int64).reshape(-1, 3 + 2 * task.width).tolist():
+            tensor_start, shape, itemsize = task.tensors[t]
+            at, _, run = chunk_runs_array(shape, dims[: len(shape)], dims[task.width : task.width + len(shape)], itemsize)
+            assert ((tensor_start + at < part.end) & (tensor_start + at + run > part.start)).any(), f"part {task.number} names a chunk of rank {rank} with no byte in it"
     assert used == sum(len(b) for b in staged.values())  # every staged byte is gathered once
     for f, parts in enumerate(s3_parts):  # numbered in file order, tiling the file
         assert [p.number for p in parts] == list(range(1, len(parts) + 1))
