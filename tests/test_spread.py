@@ -142,6 +142,19 @@ def _uneven_column_plans(world: int) -> list[SavePlan]:
     return [SavePlan(items) for items in plans]
 
 
+def _own_parts_then_columns_plans(world: int) -> list[SavePlan]:
+    """Row shards of 6 MiB (each rank's own parts), then column shards and small row shards in
+    the same file: what a rank stages of the file starts after the bytes it sent itself."""
+    plans: list[list[WriteItem]] = [[] for _ in range(world)]
+    for key, rows, cols in (("a_big", world * 6144, 1024), ("b_cols", 4096, world * 600), ("c_small", world * 64, 1000), ("d_big", world * 6144, 1024)):
+        for r in range(world):
+            if key == "b_cols":
+                plans[r].append(_item(key, (rows, cols), (0, r * 600), (rows, 600)))
+            else:
+                plans[r].append(_item(key, (rows, cols), (r * rows // world, 0), (rows // world, cols)))
+    return [SavePlan(items) for items in plans]
+
+
 def _dtensor_plans(world: int) -> list[SavePlan]:
     """DCP's plans for FSDP x TP DTensors (uint8 here, so the bytes are easy to make)."""
     shapes = [("wq", (4096, 4096)), ("w1", (6000, 2048)), ("w2", (2048, 6000)), ("norm", (1024,)), ("emb", (8192, 1024))]
@@ -158,7 +171,11 @@ def _fsdp_plans(world: int) -> list[SavePlan]:
     return dcp_global_plan(plans, {})[0]
 
 
-@pytest.mark.parametrize("make", [_dtensor_plans, _two_chunk_plans, _fsdp_plans, _uneven_column_plans], ids=["dtensor-2d", "two-chunks-per-rank", "fsdp-big-and-small", "columns-no-grid"])
+@pytest.mark.parametrize(
+    "make",
+    [_dtensor_plans, _two_chunk_plans, _fsdp_plans, _uneven_column_plans, _own_parts_then_columns_plans],
+    ids=["dtensor-2d", "two-chunks-per-rank", "fsdp-big-and-small", "columns-no-grid", "own-parts-then-columns"],
+)
 def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make) -> None:
     """Stage every rank's bytes as ``_write_s3`` routes them, then assemble each gathered part
     from its task's sources: byte for byte the consolidated file's part; the ranks' own parts
@@ -206,9 +223,9 @@ def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make) ->
         edges = [(0 if isinstance(p, RankPart) and p.header else p.start, p.end) for p in parts]
         assert edges[0][0] == 0 and edges[-1][1] == layout.files[f].size and all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
         assert all(p.nbytes >= 5 << 20 for p in parts[:-1])
-    if make is _fsdp_plans:
-        assert any(isinstance(p, RankPart) for ps in s3_parts for p in ps)  # 8 MiB runs: the ranks' own
-    else:
+    if make in (_fsdp_plans, _own_parts_then_columns_plans):
+        assert any(isinstance(p, RankPart) for ps in s3_parts for p in ps)  # big runs: the ranks' own
+    if make is not _fsdp_plans:
         assert any(t.strided for t in tasks)  # column shards named whole, not row by row
 
 
