@@ -40,10 +40,12 @@ coordinator under cProfile; ``--from-json`` reprints the tables of earlier ``--j
 from __future__ import annotations
 
 import argparse
+import base64
 import bisect
 import cProfile
 import dataclasses
 import gc
+import hashlib
 import io
 import json
 import math
@@ -89,9 +91,9 @@ MiB, GiB = 1 << 20, 1 << 30
 
 
 def _fake_upload_id(file: int) -> str:
-    """A distinct opaque id per file, as long as AWS's (about 100 characters), so that pickling
-    sizes are real (identical strings would be pickled once)."""
-    return (f"{file:08x}-" * 12)[:100]
+    """A distinct opaque id per file, as long as AWS's (about 100 characters) and as random
+    (URL-safe base64 of a hash), so that pickling and compression sizes are real."""
+    return base64.urlsafe_b64encode(hashlib.sha512(f"upload {file}".encode()).digest() + hashlib.sha256(f"upload {file}".encode()).digest()[:11]).decode()[:100]
 
 # The coordinator's phases that are DCP's own (the same for every mode).
 DCP_PHASES = ("gather", "dedup", "global_plan", "validate")

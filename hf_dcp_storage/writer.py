@@ -47,6 +47,7 @@ from ._progress import NO_PROGRESS, Progress
 from ._merge import StagedPiece, merge_file
 from ._retry import RetryPolicy
 from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, gather_bytes, s3_for
+from ._packed import PackedMap, PackedTuple
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
 from ._s3plan import S3Plan, plan_s3
 from ._slabs import as_bytes, slab_bounds, sub_chunk
@@ -861,7 +862,8 @@ def _rank_plans(
         for p in parts:
             if isinstance(p, RankPart):
                 own.setdefault(p.rank, {}).setdefault(f, []).append(p)
-    out, names = [], layout.names
+    # The same in every plan: pickled as one blob each, not 2 x files strings per plan.
+    out, names, uploads = [], PackedTuple(layout.names), PackedMap(uploads)
     for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
         s3_plan = None
         if s3_parts is not None:
