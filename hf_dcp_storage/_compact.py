@@ -202,9 +202,7 @@ def check_and_dedup(g: GlobalChunks) -> Dedup:
     for i, spec in enumerate(g.specs):
         shapes[i, : len(spec.shape)] = spec.shape
     itemsize = np.array([spec.dtype.itemsize for spec in g.specs], dtype=np.int64)
-    # Rows grouped by key (a radix sort for small key ids), each key's rows in rank order.
-    order = np.argsort(g.key.astype(np.int16 if len(g.specs) < 2**15 else np.int64), kind="stable")
-    key = g.key[order]
+    order, key, rank = _by_key(g)
     bounds = np.searchsorted(key, np.arange(len(g.specs) + 1))
     # np.take: several times faster than fancy indexing for rows of a 2-D array.
     offsets, sizes = np.take(g.offsets, order, axis=0), np.take(g.sizes, order, axis=0)
@@ -225,7 +223,7 @@ def check_and_dedup(g: GlobalChunks) -> Dedup:
     for k in unsorted:
         a, b = bounds[k], bounds[k + 1]
         o = np.lexsort((*sizes[a:b].T[::-1], *offsets[a:b].T[::-1]))
-        order[a:b], offsets[a:b], sizes[a:b] = order[a:b][o], offsets[a:b][o], sizes[a:b][o]
+        order[a:b], rank[a:b], offsets[a:b], sizes[a:b] = order[a:b][o], rank[a:b][o], offsets[a:b][o], sizes[a:b][o]
         later[a : b - 1], equal[a : b - 1] = _against_previous([*offsets[a:b].T, *sizes[a:b].T])  # this key's pairs only
     same = np.zeros(n, dtype=bool)
     same[1:] = same_key & equal
@@ -244,7 +242,22 @@ def check_and_dedup(g: GlobalChunks) -> Dedup:
         rows = covering[by_key[k] : by_key[k + 1]]
         _check_key(g, k, order[rows], offsets[rows, : ndim[k]], sizes[rows, : ndim[k]], shapes[k, : ndim[k]])
     del offsets, sizes, covering, key_c
-    return _dedup(g, order, key, same, nbytes)
+    return _dedup(g, order, key, rank, same, nbytes)
+
+
+def _by_key(g: GlobalChunks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows grouped by key, each key's rows in rank order (a stable sort by key), and their
+    keys and ranks. Where every rank sent the same table and a chunk of each of its keys (FSDP,
+    FSDP x TP: every rank holds every key, in state-dict order), the rows are a ranks x keys
+    matrix and this its transpose, made without a sort; else a radix sort for small key ids."""
+    world = len(g.rank_start) - 1
+    if len(g.table_keys) == 1 and len(g.key) == world * len(g.table_keys[0]):
+        keys = g.table_keys[0]  # each rank's rows: one per table row, in table order
+        by_key = np.argsort(keys, kind="stable")
+        order = (by_key[:, None] + len(keys) * np.arange(world, dtype=np.int64)[None, :]).ravel()
+        return order, np.repeat(keys[by_key].astype(np.int32), world), np.tile(np.arange(world, dtype=np.int32), len(keys))
+    order = np.argsort(g.key.astype(np.int16 if len(g.specs) < 2**15 else np.int64), kind="stable")
+    return order, g.key[order], g.rank[order]
 
 
 def _against_previous(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -336,12 +349,11 @@ def _tiles(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[in
     return True
 
 
-def _dedup(g: GlobalChunks, order: np.ndarray, key: np.ndarray, same: np.ndarray, nbytes: np.ndarray) -> Dedup:
-    """Rows ``order`` (of ``key``s, equal chunks neighbours, ``same``: equal to the row before)
-    with their ``nbytes``: one writer per group of equal chunks, the least loaded holder, group
-    after group."""
+def _dedup(g: GlobalChunks, order: np.ndarray, key: np.ndarray, rank: np.ndarray, same: np.ndarray, nbytes: np.ndarray) -> Dedup:
+    """Rows ``order`` (of ``key``s and ``rank``s, equal chunks neighbours, ``same``: equal to
+    the row before) with their ``nbytes``: one writer per group of equal chunks, the least
+    loaded holder, group after group."""
     world = len(g.rank_start) - 1
-    rank = g.rank[order]
     if not same.any():  # nothing replicated (FSDP alone): every rank writes all it holds
         return Dedup(np.empty(0, dtype=np.int64), np.bincount(rank, weights=nbytes, minlength=world).astype(np.int64))
     group = np.cumsum(~same) - 1  # distinct-chunk number of each sorted row

@@ -130,8 +130,8 @@ def staged_offsets(rank: np.ndarray, file: np.ndarray, nbytes: np.ndarray) -> np
     before = np.cumsum(nbytes) - nbytes
     new = np.ones(len(rank), dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (file[1:] != file[:-1])
-    group_start = np.maximum.accumulate(np.where(new, np.arange(len(rank)), 0))
-    return before - before[group_start]
+    heads = np.flatnonzero(new)
+    return before - np.repeat(before[heads], np.diff(heads, append=len(rank)))
 
 
 def stable_order(values: np.ndarray) -> np.ndarray:

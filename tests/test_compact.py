@@ -123,24 +123,56 @@ def test_each_replicated_chunk_goes_to_the_least_loaded_holder_in_turn(disjoint:
             for r in holders:
                 ranks[r].append(_item(f"rep{k}", (rows, 16), (row, 0), (1, 16)))
     g, dedup = _plan(ranks)
-    # The reference: the greedy spelled out on the chunks themselves.
-    load = [0] * world
-    held: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    expected, load = _greedy_reference(g)
+    assert {(r, key, o) for r, key, o, _ in _written(g, dedup) if key.startswith("rep")} == {w for w in expected if w[1].startswith("rep")}
+    assert dedup.bytes_per_rank.tolist() == load
+
+
+def test_ranks_listing_the_same_keys_out_of_mesh_order_keep_their_writers_and_bytes() -> None:
+    """Every rank holds a chunk of every key (one table: the rows are a ranks x keys matrix,
+    grouped by key without a sort); one key's row blocks, of different sizes, come in reverse
+    rank order (re-sorted by offsets), and others are replicated: the writers and each rank's
+    bytes are the greedy's, so every row kept its rank through the re-sort."""
+    world = 4
+    ranks: list[list[WriteItem]] = []
+    for r in range(world):
+        start = sum(q + 1 for q in range(r + 1, world))  # rank 3 holds the first rows
+        ranks.append([
+            _item("w", (10, 16), (start, 0), (r + 1, 16)),
+            _item("norm", (16,), (0,), (16,)),
+            _item("pair", (4, 16), (r // 2 * 2, 0), (2, 16)),
+        ])
+    g, dedup = _plan(ranks)
+    assert len(g.table_keys) == 1
+    expected, load = _greedy_reference(g)
+    assert {(r, key, o) for r, key, o, _ in _written(g, dedup)} == expected
+    # By hand: w gives 64, 128, 192, 256; norm goes to rank 0 (64), pair 0 to rank 0 (128, a
+    # tie with rank 1), pair 2 to rank 2 (192 < 256).
+    assert dedup.bytes_per_rank.tolist() == load == [64 + 64 + 128, 128, 192 + 128, 256]
+
+
+def _greedy_reference(g):  # type: ignore[no-untyped-def]
+    """The writers ``(rank, key, offsets)`` and each rank's bytes of the dedup greedy,
+    spelled out: chunks held once count first; then chunk after chunk (keys in order, then
+    offsets) the holder with the fewest bytes so far, the lower rank on ties."""
+    world = len(g.rank_start) - 1
+    held: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
     for row in range(len(g.key)):
         spec = g.specs[int(g.key[row])]
-        nbytes = 4 * int(np.prod(g.sizes[row, : len(spec.shape)]))
-        if spec.key.startswith("own"):
-            load[int(g.rank[row])] += nbytes
-        else:
-            held.setdefault((int(g.key[row]), tuple(g.offsets[row].tolist())), []).append(int(g.rank[row]))
+        nbytes = spec.dtype.itemsize * int(np.prod(g.sizes[row, : len(spec.shape)]))
+        held.setdefault((int(g.key[row]), tuple(g.offsets[row, : len(spec.shape)].tolist())), []).append((int(g.rank[row]), nbytes))
+    load = [0] * world
     expected = set()
     for (k, offsets), holders in sorted(held.items()):
-        best = min(sorted(holders), key=lambda r: (load[r], r))
-        load[best] += 4 * 16
-        expected.add((best, g.specs[k].key, offsets[:2]))
-    written = {(r, key, o) for r, key, o, _ in _written(g, dedup) if key.startswith("rep")}
-    assert written == expected
-    assert dedup.bytes_per_rank.tolist() == load
+        if len(holders) == 1:
+            load[holders[0][0]] += holders[0][1]
+            expected.add((holders[0][0], g.specs[k].key, offsets))
+    for (k, offsets), holders in sorted(held.items()):
+        if len(holders) > 1:
+            best, nbytes = min(sorted(holders), key=lambda h: (load[h[0]], h[0]))
+            load[best] += nbytes
+            expected.add((best, g.specs[k].key, offsets))
+    return expected, load
 
 
 def test_empty_chunks_are_kept_once_and_cover_nothing() -> None:
