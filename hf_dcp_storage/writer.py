@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import threading
@@ -47,7 +48,7 @@ from ._progress import NO_PROGRESS, Progress
 from ._merge import StagedPiece, merge_file
 from ._retry import RetryPolicy
 from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, gather_bytes, s3_for
-from ._packed import PackedMap, PackedTuple
+from ._packed import PackedTuple
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
 from ._s3plan import S3Plan, plan_s3
 from ._slabs import as_bytes, slab_bounds, sub_chunk
@@ -57,9 +58,12 @@ from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_reco
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
 
+logger = logging.getLogger(__name__)
+
 # The save's own record (``_staging.py``) and per-rank staged files live here until the
 # coordinator has written the index; then the folder is removed.
 STAGING_DIR = ".hf_dcp_staging"
+
 
 @dataclass(frozen=True)
 class _RankPlan:
@@ -85,7 +89,7 @@ class _RankPlan:
 class _S3RankPlan:
     """On S3: the multipart uploads of the save, and the parts this rank uploads into them."""
 
-    uploads: Mapping[int, str]  # file index -> upload id, every file that has one (a failing rank aborts them all)
+    uploads: Mapping[int, str]  # file index -> upload id, of the files this rank sends parts to (a failing rank aborts the rest from the save record)
     parts: Mapping[int, tuple[RankPart, ...]]  # file index -> this rank's parts, by start
     headers: Mapping[int, bytes]  # file index -> header, where this rank's part carries it
 
@@ -423,7 +427,7 @@ class HFStorageWriter(StorageWriter):
             self._put(_fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), _rank_record(rank_plan, items, results).encode())
         except BaseException:
             if rank_plan.s3 is not None:
-                self._abort_uploads(rank_plan.files, rank_plan.s3.uploads)
+                self._abort_save_uploads(rank_plan)
             raise
         return results
 
@@ -452,7 +456,7 @@ class HFStorageWriter(StorageWriter):
             done = parallel_map(run, tasks, self.thread_count)
         except BaseException:
             if rank_plan.s3 is not None:
-                self._abort_uploads(files, uploads)
+                self._abort_save_uploads(rank_plan)
             raise
         parts: dict[int, list[dict[str, Any]]] = {}
         merged = []
@@ -676,6 +680,23 @@ class HFStorageWriter(StorageWriter):
             raise
         return uploads
 
+    def _abort_save_uploads(self, rank_plan: _RankPlan) -> None:
+        """(a failing rank, S3) Abort every multipart upload of the save, so that the other
+        ranks' next parts fail too and no rank goes on writing a doomed checkpoint: those its
+        plan names and the rest from the save record, which the coordinator wrote before any
+        rank began. Best effort: what cannot be read or aborted is logged (the next save to
+        this path aborts what is left)."""
+        assert rank_plan.s3 is not None
+        uploads = dict(rank_plan.s3.uploads)
+        where = _fsio.join(self.root, STAGING_DIR, SAVE_RECORD)
+        try:
+            record = SaveRecord.decode(self.fs.cat_file(where), where)
+            if record.save_id == rank_plan.save_id:
+                uploads.update(record.uploads)
+        except Exception as exc:  # noqa: BLE001 - the failure being handled is the one to report
+            logger.warning("could not read the save record %s (%s); aborting the uploads this rank knows of", where, exc)
+        self._abort_uploads(rank_plan.files, uploads)
+
     def _abort_uploads(self, names: tuple[str, ...], uploads: Mapping[int, str]) -> None:
         """Abort the multipart uploads of files ``names[f]``; a failing abort is only logged."""
         s3 = self._s3
@@ -749,7 +770,7 @@ class HFStorageWriter(StorageWriter):
         try:
             return [r for rs in parallel_map(write_file, sorted(by_file), self.thread_count) for r in rs]
         except BaseException:
-            self._abort_uploads(rank_plan.files, s3_plan.uploads)
+            self._abort_save_uploads(rank_plan)
             raise
 
     def _complete_s3(self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, _Finished]) -> None:
@@ -862,17 +883,19 @@ def _rank_plans(
         for p in parts:
             if isinstance(p, RankPart):
                 own.setdefault(p.rank, {}).setdefault(f, []).append(p)
-    # The same in every plan: pickled as one blob each, not 2 x files strings per plan.
-    out, names, uploads = [], PackedTuple(layout.names), PackedMap(uploads)
+    out, names = [], PackedTuple(layout.names)  # in every plan: pickled as one blob, not a string per file
     for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
-        s3_plan = None
-        if s3_parts is not None:
-            mine = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
-            headers = {f: layout.files[f].header for f, ps in mine.items() if any(p.header for p in ps)}
-            s3_plan = _S3RankPlan(uploads, mine, headers)
-        table = tables[rank] if tables is not None else None
         mine = tasks[rank] if tasks is not None else ()
         mine_tasks = mine if isinstance(mine, GatherTasks) else tuple(mine)
+        s3_plan = None
+        if s3_parts is not None:
+            parts = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
+            headers = {f: layout.files[f].header for f, ps in parts.items() if any(p.header for p in ps)}
+            # The uploads this rank sends parts to (all of them, in every plan, would be a
+            # third of what the coordinator sends at thousands of ranks).
+            sends = set(parts) | (set(mine_tasks.parts[:, 0].tolist()) if isinstance(mine_tasks, GatherTasks) else set())
+            s3_plan = _S3RankPlan({f: uploads[f] for f in sorted(sends) if f in uploads}, parts, headers)
+        table = tables[rank] if tables is not None else None
         rank_plan = _RankPlan(rank, save_id, direct, names, placed, s3_plan, table, mine_tasks, len(plans), meet)
         out.append(dataclasses.replace(plan, storage_data=rank_plan))
     return out

@@ -1,12 +1,10 @@
-"""The values every rank's plan carries (file names, upload ids) pickle as one blob each."""
+"""The file names every rank's plan carries pickle as one blob."""
 
 from __future__ import annotations
 
 import pickle
 
-import pytest
-
-from hf_dcp_storage._packed import PackedMap, PackedTuple
+from hf_dcp_storage._packed import PackedTuple
 
 
 def test_a_packed_tuple_reads_and_round_trips_as_the_tuple() -> None:
@@ -18,16 +16,6 @@ def test_a_packed_tuple_reads_and_round_trips_as_the_tuple() -> None:
     assert pickle.loads(pickle.dumps(back)) == names  # sent on again: the blob as received
     # One blob, not 191 strings: far smaller than the plain tuple pickled.
     assert len(pickle.dumps(packed)) < len(pickle.dumps(names)) / 5
-
-
-def test_a_packed_map_reads_as_the_mapping_and_cannot_change() -> None:
-    ids = {f: f"upload-{f:04d}-" + "x" * 80 for f in (0, 2, 7)}
-    packed = PackedMap(ids)
-    assert packed == ids and packed.get(2) == ids[2] and packed.get(1) is None and list(packed) == [0, 2, 7]
-    back = pickle.loads(pickle.dumps(packed))
-    assert back == ids and isinstance(back, PackedMap) and all(isinstance(k, int) for k in back)
-    with pytest.raises(TypeError):
-        packed[1] = "other"  # type: ignore[index]
 
 
 def test_a_packed_value_pickles_as_the_blob_made_with_it() -> None:

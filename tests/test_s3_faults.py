@@ -213,6 +213,33 @@ def test_denied_uploads_on_one_rank_fail_the_save_on_every_rank(proxied) -> None
     assert sorted(_objects(direct, url)) == ["model-00001-of-00001.safetensors", INDEX]
 
 
+def _save_two_files(rank: int, world: int, url: str, options: dict) -> None:
+    """Two 40 MiB tensors that every rank holds: one rank writes each, into a file of its own
+    (three parts, one multipart upload per file); rank 1's part uploads are denied."""
+    tensors = {k: random_tensor((10240, 1024), torch.float32, seed) for k, seed in (("a", 7), ("b", 8))}
+    try:
+        dcp.save(tensors, storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, max_shard_size="42MB"))
+    except BaseException as exc:  # CheckpointException derives from BaseException
+        assert "AccessDenied" in repr(exc), repr(exc)
+    else:
+        raise AssertionError(f"rank {rank}: the save succeeded although rank 1's part uploads were denied")
+
+
+@pytest.mark.distributed
+def test_a_failing_rank_aborts_the_uploads_of_files_it_had_no_part_in(proxied) -> None:
+    """A rank's plan names only the uploads it sends parts to; when it fails it aborts the
+    others too (from the save record), so no upload of the failed save is left open."""
+    proxy, bucket, options, direct = proxied
+    url = f"{bucket}/run/step_1"
+    fault = proxy.add_fault(Fault("403", method="PUT", path=r"model-00002-of-00002\.safetensors$", query_has="partNumber", times=None))
+    run_ranks(_save_two_files, 2, url, options)
+    assert fault.fired >= 1
+    uploads = [r for r in proxy.requests if r.method == "POST" and "uploads" in r.query and r.path.endswith(".safetensors")]
+    assert len(uploads) == 2  # one multipart upload per file, each filled by one rank
+    assert INDEX not in _objects(direct, url)
+    assert _unfinished_uploads(direct, bucket) == []
+
+
 def _data_gets(proxy: FaultProxy) -> tuple[list, int, int]:
     """``(data GETs, data bytes, header-probe bytes)`` the proxy saw for shard files."""
     gets = [r for r in proxy.requests if r.method == "GET" and r.path.endswith(".safetensors")]
