@@ -175,7 +175,7 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     a[piece_at[some]] = np.maximum(a[piece_at[some]], lo[some])
     b[piece_at[some + 1] - 1] = np.minimum(b[piece_at[some + 1] - 1], hi[some])
     del some, end
-    pieces = np.empty((len(take), 4), dtype=np.int64)
+    pieces = np.empty((len(take), 4), dtype=np.int64, order="F")  # written a column at a time
     pieces[:, 0] = rank[take]
     pieces[:, 2] = staged[take] + a  # the piece's staged offset, were its rank to stage every byte
     pieces[:, 3] = b - a
@@ -189,22 +189,24 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     c_order, c_lo = _file_order(position[c], placed.key[c], placed, file_base)
     c = c[c_order]
     del c_order
-    c_take, c_counts = _reaching(c_lo, _last_byte(placed, c) + file_base[placed.file[c]] + 1, lo, hi)
+    # Their columns gathered once in this order (the jumps), then taken part by part (ranges).
+    c_key, c_offsets, c_sizes = placed.key[c], np.take(placed.offsets, c, axis=0), np.take(placed.sizes, c, axis=0)
+    c_take, c_counts = _reaching(c_lo, _last_byte(placed, c_key, c_offsets, c_sizes) + file_base[placed.key_file[c_key]] + 1, lo, hi)
     strided_at = np.concatenate(([0], np.cumsum(c_counts)))
-    cc = c[c_take]
-    del c, c_lo, c_take, lo, hi
-    col_rows = np.empty((len(cc), 3 + 2 * width), dtype=np.int64)
-    col_rows[:, 0] = placed.rank[cc]
-    col_rows[:, 1] = in_file[placed.key[cc]]
-    col_rows[:, 2] = placed.staged[cc]
-    col_rows[:, 3 : 3 + width] = np.take(placed.offsets, cc, axis=0)
-    col_rows[:, 3 + width :] = np.take(placed.sizes, cc, axis=0)
+    del c_lo, lo, hi
+    col_rows = np.empty((len(c_take), 3 + 2 * width), dtype=np.int64, order="F")
+    col_rows[:, 0] = placed.rank[c][c_take]
+    col_rows[:, 1] = in_file[c_key][c_take]
+    col_rows[:, 2] = placed.staged[c][c_take]
+    for d in range(width):
+        col_rows[:, 3 + d], col_rows[:, 3 + width + d] = c_offsets[:, d][c_take], c_sizes[:, d][c_take]
+    del c, c_key, c_offsets, c_sizes, c_take
     own = np.flatnonzero(~p_gather)
     if len(own):  # a rank stages none of its own parts' bytes: its later staged bytes move down
         before = _own_bytes_before(own, np.array([flat[j].rank for j in own.tolist()], dtype=np.int64), p_end - p_start, np.searchsorted(p_file, p_file))
         pieces[:, 2] -= before(pieces[:, 0], np.repeat(order, counts))
         col_rows[:, 2] -= before(col_rows[:, 0], np.repeat(order, c_counts))
-    del cc, own, counts, c_counts
+    del own, counts, c_counts
     # Each rank's share: slices of the arrays above.
     table = np.stack((p_file[order], np.array([flat[j].number for j in order.tolist()], dtype=np.int64), p_start[order], p_end[order]), axis=1)
     headers = [f.header for f in layout.files]
@@ -256,12 +258,12 @@ def _own_bytes_before(own: np.ndarray, own_rank: np.ndarray, nbytes: np.ndarray,
     return before
 
 
-def _last_byte(placed: PlacedChunks, c: np.ndarray) -> np.ndarray:
-    """Offset in its file of each chunk's last byte: a column at a time, each key's strides from
-    a small table (zero past its ndim, where offsets and sizes are zero too)."""
+def _last_byte(placed: PlacedChunks, key: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Offset in its file of the last byte of each chunk (of ``key``, at ``offsets`` with
+    ``sizes``): a column at a time, each key's strides from a small table (zero past its ndim,
+    where offsets and sizes are zero too)."""
     strides = key_strides(placed.shape, placed.ndim)
-    key = placed.key[c]
-    element = np.zeros(len(c), dtype=np.int64)
-    for d in range(placed.offsets.shape[1]):
-        element += (placed.offsets[:, d][c] + placed.sizes[:, d][c] - 1) * strides[:, d][key]
+    element = np.zeros(len(key), dtype=np.int64)
+    for d in range(offsets.shape[1]):
+        element += (offsets[:, d] + sizes[:, d] - 1) * strides[:, d][key]
     return placed.tensor_start[key] + (element + 1) * placed.itemsize[key] - 1
