@@ -203,7 +203,7 @@ def check_and_dedup(g: GlobalChunks) -> Dedup:
         shapes[i, : len(spec.shape)] = spec.shape
     itemsize = np.array([spec.dtype.itemsize for spec in g.specs], dtype=np.int64)
     order, key, rank = _by_key(g)
-    bounds = np.searchsorted(key, np.arange(len(g.specs) + 1))
+    bounds = np.searchsorted(key, np.arange(len(g.specs) + 1, dtype=key.dtype))  # same dtype: no int64 copy of key
     # np.take: several times faster than fancy indexing for rows of a 2-D array.
     offsets, sizes = np.take(g.offsets, order, axis=0), np.take(g.sizes, order, axis=0)
     # Chunks outside their tensor: the smallest value, and each key's largest end per dimension
@@ -237,7 +237,7 @@ def check_and_dedup(g: GlobalChunks) -> Dedup:
     suspect = _bands_tile(key_c, offsets, sizes, covering, nd[covering], shapes)
     del nd
     suspect |= (np.bincount(key_c, minlength=len(g.specs)) == 0) & (shapes.prod(axis=1, where=np.arange(width) < ndim[:, None]) > 0)
-    by_key = np.searchsorted(key_c, np.arange(len(g.specs) + 1))
+    by_key = np.searchsorted(key_c, np.arange(len(g.specs) + 1, dtype=key_c.dtype))
     for k in np.flatnonzero(suspect).tolist():
         rows = covering[by_key[k] : by_key[k + 1]]
         _check_key(g, k, order[rows], offsets[rows, : ndim[k]], sizes[rows, : ndim[k]], shapes[k, : ndim[k]])
@@ -406,7 +406,7 @@ def table_plans(g: GlobalChunks, layout: Layout, dedup: Dedup) -> list[TablePlan
     start_of = np.array([layout.tensor_start[s.key] for s in g.specs], dtype=np.int64)
     per_table = [(file_of[keys], start_of[keys]) for keys in g.table_keys]
     skip_rank = g.rank[dedup.dropped]
-    bounds = np.searchsorted(skip_rank, np.arange(len(g.table_of_rank) + 1))
+    bounds = np.searchsorted(skip_rank, np.arange(len(g.table_of_rank) + 1, dtype=skip_rank.dtype))
     empty = np.empty(0, dtype=np.int64)
     plans = []
     for r, t in enumerate(g.table_of_rank.tolist()):

@@ -184,7 +184,8 @@ def merge_tasks(placed: PlacedChunks, layout: Layout) -> list[MergeTask]:
     """(coordinator, stores without positioned writes) One task per file of ``layout``: its
     chunks, each fully staged by its rank (``placed.staged``). Pure; numpy over the chunks."""
     by_file = np.argsort(placed.file.astype(np.int16 if len(layout.files) < 2**15 else np.int64), kind="stable")
-    bounds = np.searchsorted(placed.file[by_file], np.arange(len(layout.files) + 1))
+    files = placed.file[by_file]
+    bounds = np.searchsorted(files, np.arange(len(layout.files) + 1, dtype=files.dtype))  # same dtype: no int64 copy
     in_file, tensors = file_tensors(layout, placed.key_names)
     tasks = []
     for f, plan in enumerate(layout.files):
