@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from ._header import NAME_TO_DTYPE, dtype_name
 from ._layout import Layout, TensorSpec
+from ._packed import packed_array
 
 __all__ = ["LocalChunks", "GlobalChunks", "Dedup", "TablePlan", "encode_local", "gather", "check_and_dedup", "table_plans", "xor_shares"]
 
@@ -401,10 +402,10 @@ def _greedy(ranks: list[int], row_bytes: list[int], starts: list[int], loads: np
 
 def table_plans(g: GlobalChunks, layout: Layout, dedup: Dedup) -> list[TablePlan]:
     """(coordinator) Each rank's :class:`TablePlan`. Ranks sending the same table share its
-    ``file``/``start`` arrays, so the coordinator holds them once."""
+    ``file``/``start`` arrays, so the coordinator holds and packs them once."""
     file_of = np.array([layout.file_of[s.key] for s in g.specs], dtype=np.int32)
     start_of = np.array([layout.tensor_start[s.key] for s in g.specs], dtype=np.int64)
-    per_table = [(file_of[keys], start_of[keys]) for keys in g.table_keys]
+    per_table = [(packed_array(file_of[keys]), packed_array(start_of[keys])) for keys in g.table_keys]  # packed once, sent in many plans
     skip_rank = g.rank[dedup.dropped]
     bounds = np.searchsorted(skip_rank, np.arange(len(g.table_of_rank) + 1, dtype=skip_rank.dtype))
     empty = np.empty(0, dtype=np.int64)

@@ -207,6 +207,8 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
         pieces[:, 2] -= before(pieces[:, 0], np.repeat(order, counts))
         col_rows[:, 2] -= before(col_rows[:, 0], np.repeat(order, c_counts))
     del own, counts, c_counts
+    if len(col_rows) and int(col_rows.min()) >= 0 and int(col_rows.max()) < 2**31:
+        col_rows = col_rows.astype(np.int32, order="C")  # half the bytes sent (staged offsets fit at thousands of ranks)
     # Each rank's share: slices of the arrays above.
     table = np.stack((p_file[order], np.array([flat[j].number for j in order.tolist()], dtype=np.int64), p_start[order], p_end[order]), axis=1)
     headers = [f.header for f in layout.files]

@@ -17,6 +17,7 @@ import heapq
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -109,13 +110,19 @@ class GatherTasks:
     piece_at: np.ndarray  # int64 [k + 1]
     pieces: np.ndarray  # int64 [p, 4]
     strided_at: np.ndarray  # int64 [k + 1]
-    strided: np.ndarray  # int64 [q, 3 + 2 * width]
+    strided: np.ndarray  # int32 [q, 3 + 2 * width] where every value fits, else int64
     heads: Mapping[int, bytes]
     tensors: Mapping[int, tuple[tuple[int, tuple[int, ...], int], ...]]
     width: int
 
     def __len__(self) -> int:
         return len(self.parts)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Raw bytes for the arrays: numpy pickles each with its dtype object, about 10 µs an
+        # array, and the coordinator sends thousands of these.
+        arrays = tuple((a.dtype.str, a.shape, a.tobytes()) for a in (self.parts, self.piece_at, self.pieces, self.strided_at, self.strided))
+        return _tasks_from, (arrays, dict(self.heads), dict(self.tensors), self.width)
 
     def __iter__(self) -> Iterator[GatherTask]:
         return (self.task(i) for i in range(len(self.parts)))
@@ -124,8 +131,13 @@ class GatherTasks:
         """Part ``i`` as a :class:`GatherTask`."""
         f, number, start, end = self.parts[i].tolist()
         pa, pb, ca, cb = int(self.piece_at[i]), int(self.piece_at[i + 1]), int(self.strided_at[i]), int(self.strided_at[i + 1])
-        strided = (self.strided[ca:cb].tobytes(), self.tensors[f], self.width) if cb > ca else (b"", (), 0)
+        strided = (self.strided[ca:cb].astype(np.int64).tobytes(), self.tensors[f], self.width) if cb > ca else (b"", (), 0)
         return GatherTask(f, number, start, end, self.heads.get(i, b""), self.pieces[pa:pb].tobytes(), *strided)
+
+
+def _tasks_from(arrays: tuple[tuple[str, tuple[int, ...], bytes], ...], heads: dict[int, bytes], tensors: dict[int, Any], width: int) -> GatherTasks:
+    parts, piece_at, pieces, strided_at, strided = (np.frombuffer(data, dtype=np.dtype(dt)).reshape(shape) for dt, shape, data in arrays)
+    return GatherTasks(parts, piece_at, pieces, strided_at, strided, heads, tensors, width)
 
 
 @dataclass(frozen=True)

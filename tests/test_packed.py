@@ -1,10 +1,12 @@
-"""The file names every rank's plan carries pickle as one blob."""
+"""What every rank's plan carries (file names, a key table's files and offsets) pickles as one blob."""
 
 from __future__ import annotations
 
 import pickle
 
-from hf_dcp_storage._packed import PackedTuple
+import numpy as np
+
+from hf_dcp_storage._packed import PackedArray, PackedTuple, packed_array
 
 
 def test_a_packed_tuple_reads_and_round_trips_as_the_tuple() -> None:
@@ -24,3 +26,17 @@ def test_a_packed_value_pickles_as_the_blob_made_with_it() -> None:
     for data in (pickle.dumps(packed), pickle.dumps(packed)):
         assert blob in data and len(data) < len(blob) + 100
     assert pickle.loads(pickle.dumps([packed] * 3)) == [packed] * 3
+
+
+def test_a_packed_array_round_trips_as_a_plain_array_from_one_blob() -> None:
+    starts = np.cumsum(np.full(1137, 1 << 22, dtype=np.int64))  # a key table's offsets
+    packed = packed_array(starts)
+    assert isinstance(packed, PackedArray) and np.array_equal(packed, starts) and not packed.flags.writeable
+    data = pickle.dumps(packed)
+    assert packed._blob in data and len(data) < len(pickle.dumps(starts)) / 4
+    back = pickle.loads(data)
+    assert type(back) is np.ndarray and back.dtype == np.int64 and np.array_equal(back, starts)
+    part = pickle.loads(pickle.dumps(packed[10:20]))  # a slice has no blob: pickled as numpy does
+    assert np.array_equal(part, starts[10:20])
+    empty = pickle.loads(pickle.dumps(packed_array(np.empty((0, 3), dtype=np.int32))))
+    assert empty.shape == (0, 3) and empty.dtype == np.int32
