@@ -167,8 +167,9 @@ def gather(locals_: Sequence[LocalChunks]) -> GlobalChunks:
         key[a:b] = table_keys[table_of_rank[r]][local.rows[:, 0]]
         offsets[a:b, :nd] = local.rows[:, 1 : 1 + nd]
         sizes[a:b, :nd] = local.rows[:, 1 + nd :]
-    if small and total and any(int((offsets[:, d].astype(np.int64) + sizes[:, d]).max()) >= 2**31 for d in range(width)):
-        offsets, sizes = offsets.astype(np.int64), sizes.astype(np.int64)  # an end past 2**31: sums must not wrap
+    # An end past 2**31 (checked after a cheap bound): sums of int32 offsets and sizes would wrap.
+    if small and total and int(offsets.max()) + int(sizes.max()) >= 2**31 and any(int((offsets[:, d].astype(np.int64) + sizes[:, d]).max()) >= 2**31 for d in range(width)):
+        offsets, sizes = offsets.astype(np.int64), sizes.astype(np.int64)
     rank = np.repeat(np.arange(len(locals_), dtype=np.int32), counts)
     return GlobalChunks(list(specs.values()), table_keys, table_of_rank, rank_start, rank, key, offsets, sizes)
 
@@ -292,6 +293,8 @@ def _bands_tile(key: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, rows: n
     bad = np.zeros(m, dtype=bool)
     for d in range(offsets.shape[1]):
         o, s = offsets[:, d][rows], sizes[:, d][rows]
+        if not o.any() and (s == shapes[key, d]).all():
+            continue  # every chunk whole in this dimension (FSDP's dim 1): it cuts no band
         stays = np.zeros(m, dtype=bool)  # the same interval as the row before
         stays[1:] = (o[1:] == o[:-1]) & (s[1:] == s[:-1])
         follows = np.zeros(m, dtype=bool)  # the interval right after the row before's

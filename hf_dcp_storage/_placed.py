@@ -78,10 +78,11 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
     key, rank = g.key[rows], g.rank[rows]
     offsets, sizes = np.take(g.offsets, rows, axis=0), np.take(g.sizes, rows, axis=0)  # np.take: faster than fancy indexing for 2-D rows
     # Bytes and first byte, a column at a time in int64 (offsets and sizes may be int32).
-    nbytes, element = itemsize[key], np.zeros(len(rows), dtype=np.int64)
+    nbytes, element, nd = itemsize[key], np.zeros(len(rows), dtype=np.int64), ndim.astype(np.int8)[key]
     for d in range(width):
-        nbytes = nbytes * np.where(ndim[key] > d, sizes[:, d], 1)
+        nbytes = nbytes * (sizes[:, d] if d < ndim.min(initial=width) else np.where(nd > d, sizes[:, d], 1))
         element += offsets[:, d] * strides[:, d][key]
+    del nd
     start = tensor_start[key] + element * itemsize[key]
     del element
     file = file_of[key]
