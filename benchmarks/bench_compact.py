@@ -110,7 +110,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     rank_start, table_keys, table_of_rank, dropped = g.rank_start, g.table_keys, g.table_of_rank, len(dedup.dropped)
     written = placed.bytes_per_rank(mesh.size) if placed is not None else dedup.bytes_per_rank
     g = dedup = None  # type: ignore[assignment]
-    s3, tasks = timed("tasks", lambda: _plan_tasks(layout, mode, placed, mesh.size))
+    s3, tasks = timed("tasks", lambda: _plan_tasks(layout, mode, placed, mesh.size, writer.thread_count))
     s3_parts = s3.parts if s3 is not None else None
     uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1} if s3_parts is not None else {}
 

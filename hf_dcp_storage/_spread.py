@@ -23,6 +23,7 @@ import numpy as np
 
 from ._layout import Layout, chunk_runs_array, element_size
 from ._merge import StagedPiece
+from ._parallel import parallel_map
 from ._placed import PlacedChunks
 
 __all__ = ["GatherTask", "GatherTasks", "MergeTask", "Source", "assign", "pack_columns", "unpack_columns", "merge_tasks", "file_tensors"]
@@ -192,20 +193,24 @@ def unpack_columns(data: bytes) -> list[np.ndarray]:
     return out
 
 
-def merge_tasks(placed: PlacedChunks, layout: Layout) -> list[MergeTask]:
+def merge_tasks(placed: PlacedChunks, layout: Layout, threads: int = 1) -> list[MergeTask]:
     """(coordinator, stores without positioned writes) One task per file of ``layout``: its
-    chunks, each fully staged by its rank (``placed.staged``). Pure; numpy over the chunks."""
+    chunks, each fully staged by its rank (``placed.staged``). Pure; numpy over the chunks, and
+    each file's columns packed on up to ``threads`` threads (numpy's copies and zlib let go of
+    the GIL; at 405B over 8,192 ranks the packing is 0.7 s of zlib)."""
     by_file = np.argsort(placed.file.astype(np.int16 if len(layout.files) < 2**15 else np.int64), kind="stable")
     files = placed.file[by_file]
     bounds = np.searchsorted(files, np.arange(len(layout.files) + 1, dtype=files.dtype))  # same dtype: no int64 copy
     in_file, tensors = file_tensors(layout, placed.key_names)
-    tasks = []
-    for f, plan in enumerate(layout.files):
+
+    def task(f: int) -> MergeTask:
         rows = by_file[bounds[f] : bounds[f + 1]]
-        key = placed.key[rows]
-        chunks = pack_columns([placed.rank[rows], in_file[key], placed.staged[rows], *placed.offsets[rows].T, *placed.sizes[rows].T])
-        tasks.append(MergeTask(f, plan.header, plan.size, tensors[f], chunks, placed.offsets.shape[1]))
-    return tasks
+        offsets, sizes = np.take(placed.offsets, rows, axis=0), np.take(placed.sizes, rows, axis=0)
+        chunks = pack_columns([placed.rank[rows], in_file[placed.key[rows]], placed.staged[rows], *offsets.T, *sizes.T])
+        plan = layout.files[f]
+        return MergeTask(f, plan.header, plan.size, tensors[f], chunks, placed.offsets.shape[1])
+
+    return parallel_map(task, range(len(layout.files)), threads)
 
 
 def file_tensors(layout: Layout, key_names: Sequence[str]) -> tuple[np.ndarray, list[tuple[tuple[int, tuple[int, ...], int], ...]]]:

@@ -174,7 +174,8 @@ class HFStorageWriter(StorageWriter):
         max_shard_size: most tensor bytes per file (``"5GB"``, ``"512MiB"`` or an int); keys fill
             files greedily in state-dict order, a larger tensor gets a file of its own.
         overwrite: replace a complete checkpoint already at ``path``.
-        thread_count: I/O threads per rank.
+        thread_count: I/O threads per rank (and the coordinator's threads for packing merge
+            tasks on stores without positioned writes).
         direct_write: positioned writes into the final files; ``None`` picks them wherever the
             filesystem supports them (local disk). ``False`` forces the staged path.
         retry: how transient failures of remote requests are retried (S3); default
@@ -368,7 +369,7 @@ class HFStorageWriter(StorageWriter):
         tables = table_plans(g, layout, dedup)
         placed = place_chunks(g, dedup, layout) if mode != "direct" else None
         del g  # its per-chunk arrays (hundreds of MiB at thousands of ranks) are not needed further
-        s3, tasks = _plan_tasks(layout, mode, placed, len(chunks))
+        s3, tasks = _plan_tasks(layout, mode, placed, len(chunks), self.thread_count)
         self._s3_parts = s3.parts if s3 is not None else None
         self._gathers = s3.tasks if s3 is not None else []
         return layout, tables, tasks
@@ -907,18 +908,19 @@ def _meets(tasks: list[GatherTasks] | list[list[MergeTask]] | None) -> bool:
     return tasks is not None and len(tasks) > 1 and any(tasks)
 
 
-def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: int) -> tuple[S3Plan | None, list[GatherTasks] | list[list[MergeTask]] | None]:
+def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: int, threads: int = 1) -> tuple[S3Plan | None, list[GatherTasks] | list[list[MergeTask]] | None]:
     """(coordinator) The finishing work of a save on an object store, spread over its ranks by
     bytes (``_spread.assign``): on S3 each gathered part (and every file's parts), elsewhere each
-    file to merge, given to the rank with the fewest bytes so far, counting each rank's own
-    bytes. ``(None, None)`` in direct mode (nothing to finish). Pure."""
+    file to merge (packed on ``threads`` threads), given to the rank with the fewest bytes so
+    far, counting each rank's own bytes. ``(None, None)`` in direct mode (nothing to finish).
+    Pure."""
     if mode == "direct":
         return None, None
     assert placed is not None
     if mode == "s3":
         s3 = plan_s3(placed, layout, world)
         return s3, s3.tasks
-    merges = merge_tasks(placed, layout)
+    merges = merge_tasks(placed, layout, threads)
     out: list[list[MergeTask]] = [[] for _ in range(world)]
     for task, rank in zip(merges, assign([t.nbytes for t in merges], placed.bytes_per_rank(world).tolist()), strict=True):
         out[rank].append(task)
