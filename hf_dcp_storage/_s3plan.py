@@ -152,11 +152,9 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     p_lo, p_hi = p_start + file_base[p_file], p_end + file_base[p_file]
     p_gather = np.array([isinstance(p, GatherPart) for p in flat], dtype=bool)
     gathered = np.flatnonzero(p_gather)
-    # Who gathers each part; its slot: its place among all gathered parts, rank after rank.
+    # Who gathers each part; the gathered parts rank after rank (a part's slot: its place there).
     rank_of = np.array(assign((p_end - p_start)[gathered].tolist(), placed.bytes_per_rank(world).tolist()), dtype=np.int64)
     by_rank = np.argsort(rank_of, kind="stable")
-    slot = np.full(len(flat), -1, dtype=np.int64)
-    slot[gathered[by_rank]] = np.arange(len(gathered))
     rank_at = np.searchsorted(rank_of[by_rank], np.arange(world + 1))
     in_file, tensors = file_tensors(layout, placed.key_names)
     width = placed.offsets.shape[1]
@@ -212,7 +210,8 @@ def _gather_tasks(placed: PlacedChunks, layout: Layout, parts: list[list[RankPar
     # Each rank's share: slices of the arrays above.
     table = np.stack((p_file[order], np.array([flat[j].number for j in order.tolist()], dtype=np.int64), p_start[order], p_end[order]), axis=1)
     headers = [f.header for f in layout.files]
-    heads = {int(slot[j]): headers[p_file[j]][p_start[j] : p_end[j]] for j in gathered[p_start[gathered] < np.array([len(h) for h in headers], dtype=np.int64)[p_file[gathered]]].tolist()}
+    in_header = np.flatnonzero(p_start[order] < np.array([len(h) for h in headers], dtype=np.int64)[p_file[order]])
+    heads = {k: headers[p_file[j]][p_start[j] : p_end[j]] for k, j in zip(in_header.tolist(), order[in_header].tolist(), strict=True)}
     names = (strided_at[1:] > strided_at[:-1]).tolist()
     out = []
     for r in range(world):
