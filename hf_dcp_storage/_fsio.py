@@ -3,6 +3,14 @@
 Paths are URL strings joined with ``posixpath``: a ``Path`` would mangle ``s3://``. Local disk
 is the one backend with positioned writes into a shared file (``os.pwrite``), so it gets raw
 file descriptors; everything else goes through fsspec streams and ranged reads.
+
+Nothing here answers from a cache. fsspec filesystems are shared per process (its instance
+cache) and the remote ones keep a listings cache (``dircache``): one ``find`` fills it for every
+folder it saw, and a later ``exists``, ``info``, ``size`` or ``ls`` of anything under those
+folders is answered from it, with no request. Another process (a rank, a training job, ``hf-dcp
+prune``) may have written or removed files since. So every query below first drops what the
+cache holds for the path, its parents and everything under it (``forget``), and the rest of the
+library asks only through these functions (``tests/test_fresh_views.py`` checks that).
 """
 
 from __future__ import annotations
@@ -23,10 +31,18 @@ __all__ = [
     "join",
     "is_local",
     "url_of",
+    "forget",
     "read_range",
+    "read_all",
+    "open_read",
     "exists",
+    "isdir",
+    "isfile",
+    "size",
     "list_names",
+    "list_entries",
     "list_tree",
+    "find_entries",
     "remove_many",
     "remove",
     "remove_tree",
@@ -67,16 +83,87 @@ def read_range(fs: AbstractFileSystem, path: str, start: int, end: int) -> bytes
     return fs.cat_file(path, start=start, end=end)
 
 
+def forget(fs: AbstractFileSystem, path: str) -> None:
+    """Drop the listings ``fs`` has cached for ``path``, its parents and everything under it.
+
+    fsspec's own ``invalidate_cache(path)`` drops the path and its parents only; the listings of
+    sub-folders that one ``find`` cached would still answer for them.
+    """
+    path = fs._strip_protocol(path).rstrip("/")
+    fs.invalidate_cache(path)
+    cache = getattr(fs, "dircache", None)
+    if not cache:
+        return
+    below = path + "/"
+    for key in [k for k in list(cache) if isinstance(k, str) and k.startswith(below)]:
+        cache.pop(key, None)
+
+
+def read_all(fs: AbstractFileSystem, path: str) -> bytes:
+    """The whole of a (small) file as it is now (a cached size could cut a rewritten file short)."""
+    forget(fs, path)
+    return fs.cat_file(path)
+
+
+def open_read(fs: AbstractFileSystem, path: str, block_size: int) -> Any:
+    """A read stream of ``path`` as it is now (the stream takes the file's size from ``info``,
+    which a cached listing would answer)."""
+    forget(fs, path)
+    return fs.open(path, "rb", block_size=block_size)
+
+
 def exists(fs: AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` exists now (asked of the store, never of a cache)."""
+    forget(fs, path)
     return fs.exists(path)
 
 
+def isdir(fs: AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` is a folder now (on an object store: a prefix with something under it)."""
+    forget(fs, path)
+    return fs.isdir(path)
+
+
+def isfile(fs: AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` is a file now."""
+    forget(fs, path)
+    return fs.isfile(path)
+
+
+def size(fs: AbstractFileSystem, path: str) -> int:
+    """The size of a file now.
+
+    Raises:
+        FileNotFoundError: it does not exist.
+    """
+    forget(fs, path)
+    return int(fs.size(path))
+
+
 def list_names(fs: AbstractFileSystem, directory: str) -> list[str]:
-    """Base names in ``directory``; empty if it does not exist."""
+    """Base names in ``directory`` now; empty if it does not exist."""
+    return [posixpath.basename(e["name"].rstrip("/")) for e in list_entries(fs, directory)]
+
+
+def list_entries(fs: AbstractFileSystem, directory: str) -> list[dict[str, Any]]:
+    """The listing entries (``name``, ``type``, ``size``...) of ``directory`` now; empty if it
+    does not exist."""
+    forget(fs, directory)
     try:
-        return [posixpath.basename(p.rstrip("/")) for p in fs.ls(directory, detail=False)]
+        return list(fs.ls(directory, detail=True))
     except FileNotFoundError:
         return []
+
+
+def find_entries(fs: AbstractFileSystem, directory: str, *, withdirs: bool = True) -> dict[str, dict[str, Any]]:
+    """Every entry under ``directory`` now, by full path (one recursive listing: on S3 one
+    request per 1,000 objects).
+
+    Raises:
+        FileNotFoundError: where the store says so (s3fs: a missing bucket).
+    """
+    forget(fs, directory)
+    return dict(fs.find(directory, withdirs=withdirs, detail=True))
 
 
 def list_tree(fs: AbstractFileSystem, directory: str) -> set[str]:
@@ -85,9 +172,8 @@ def list_tree(fs: AbstractFileSystem, directory: str) -> set[str]:
     One recursive listing (on S3 one request per 1,000 objects), never from a cache: another
     process may have changed the folder since this one last looked.
     """
-    fs.invalidate_cache(directory)
     try:
-        found = fs.find(directory, withdirs=False)
+        found = find_entries(fs, directory, withdirs=False)
     except FileNotFoundError:
         return set()
     base = directory.rstrip("/") + "/"
@@ -113,9 +199,19 @@ def remove(fs: AbstractFileSystem, path: str) -> None:
 
 
 def remove_tree(fs: AbstractFileSystem, path: str) -> None:
-    """Delete a folder and everything under it, if it exists."""
-    if fs.exists(path):
+    """Delete a folder and everything under it now, whoever wrote it; nothing if it is gone.
+
+    Not ``if fs.exists(path): fs.rm(path, recursive=True)``: both answer from the listings
+    cache, so a process that had listed the folder before other ranks wrote into it deleted
+    what it had seen, or (seeing nothing) nothing. With the cache dropped first, ``rm`` finds
+    the files with a fresh recursive listing.
+    """
+    forget(fs, path)
+    try:
         fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    forget(fs, path)
 
 
 def write_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:

@@ -104,12 +104,16 @@ def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str] | 
 
     Entries keep the given order (which is also the data order). The encoding matches what
     the safetensors library writes for the same names, order and metadata.
+
+    Raises:
+        ValueError: a dtype safetensors cannot store (``dtype_name``), or a name or metadata
+            string UTF-8 cannot encode (a lone surrogate such as ``"\\ud800"``), named.
     """
     header: dict[str, object] = {}
     if metadata:
-        header["__metadata__"] = dict(metadata)
+        header["__metadata__"] = {_utf8(k, "metadata key"): _utf8(v, f"metadata value of {k!r}") for k, v in metadata.items()}
     for e in entries:
-        header[e.name] = {
+        header[_utf8(e.name, "tensor name")] = {
             "dtype": dtype_name(e.dtype, key=e.name),
             "shape": list(e.shape),
             "data_offsets": [e.begin, e.end],
@@ -117,6 +121,18 @@ def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str] | 
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     body += b" " * (-(8 + len(body)) % 8)
     return struct.pack("<Q", len(body)) + body
+
+
+def _utf8(text: str, what: str) -> str:
+    """``text``, checked to have a UTF-8 form (the header is UTF-8 JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{what} {text!r} holds a lone UTF-16 surrogate, which UTF-8 (the header's encoding) cannot "
+            f"encode; rename it to a valid Unicode string"
+        ) from None
+    return text
 
 
 def header_length(prefix: bytes, *, file_size: int | None = None, where: str = "file") -> int:
@@ -145,26 +161,53 @@ def decode_header(
         ``(entries sorted by offset, metadata, data_start)`` where ``data_start = 8 + N``.
 
     Raises:
-        HeaderError: truncated or oversize header, invalid JSON, unknown dtype, shape and byte
-            range disagreeing, overlapping or out-of-range offsets, holes, or data past EOF.
+        HeaderError: truncated or oversize header, invalid JSON (or a name given twice in one
+            object), ``__metadata__`` other than null or an object of strings, unknown dtype,
+            shape and byte range disagreeing, overlapping or out-of-range offsets, holes, or
+            data past EOF.
     """
     n = header_length(raw, file_size=file_size, where=where)
     if len(raw) < 8 + n:
         raise HeaderError(f"{where}: truncated, header needs {8 + n} bytes but only {len(raw)} are present")
-    try:
-        parsed = json.loads(raw[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"{where}: header is not valid UTF-8 JSON ({exc})") from None
+    parsed = _parse_json(raw[8 : 8 + n], where)
     if not isinstance(parsed, dict):
         raise HeaderError(f"{where}: header must be a JSON object, got {type(parsed).__name__}")
-    metadata = parsed.pop("__metadata__", None) or {}
+    metadata = parsed.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null is "no metadata"; 0, "" or [] are not
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise HeaderError(f"{where}: __metadata__ must map strings to strings")
+        raise HeaderError(f"{where}: __metadata__ must map strings to strings, got {str(metadata)[:80]}")
     entries = sorted((_entry(name, spec, where) for name, spec in parsed.items()), key=lambda e: (e.begin, e.end))
     _check_tiling(entries, file_size=file_size, data_start=8 + n, where=where)
     return entries, metadata, 8 + n
+
+
+def _parse_json(body: bytes, where: str) -> object:
+    """The header JSON decoded.
+
+    Raises:
+        HeaderError: not UTF-8, not JSON, a name given twice in one object (JSON would keep the
+            last, another reader the first), or JSON Python will not build: an int of more than
+            ``sys.get_int_max_str_digits()`` digits (``ValueError``), or nesting too deep to
+            decode (``RecursionError``); a corrupt file, every time.
+    """
+    try:
+        return json.loads(body.decode("utf-8"), object_pairs_hook=lambda pairs: _unique(pairs, where))
+    except HeaderError:
+        raise
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise HeaderError(f"{where}: header is not valid UTF-8 JSON ({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt") from None
+
+
+def _unique(pairs: list[tuple[str, object]], where: str) -> dict[str, object]:
+    """A JSON object's pairs as a dict; a name given twice is refused."""
+    out: dict[str, object] = {}
+    for name, value in pairs:
+        if name in out:
+            raise HeaderError(f"{where}: header names {name!r} twice in one object; the file is corrupt: restore it from a copy or re-save")
+        out[name] = value
+    return out
 
 
 def _entry(name: str, spec: object, where: str) -> TensorEntry:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import posixpath
+import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -136,21 +137,42 @@ def read_bytes(fs: AbstractFileSystem, path: str, start: int, end: int, *, retry
 def read_index(fs: AbstractFileSystem, root: str) -> bytes | None:
     """The raw index json of the checkpoint at ``root``, or ``None`` if it has none."""
     try:
-        return fs.cat_file(_fsio.join(root, INDEX_NAME))
+        return _fsio.read_all(fs, _fsio.join(root, INDEX_NAME))
     except FileNotFoundError:
         return None
+
+
+class _DuplicateName(ValueError):
+    """A JSON object of the index names one key twice."""
 
 
 def decode_index_json(raw: bytes, where: str) -> Any:
     """The index json decoded.
 
     Raises:
-        ValueError: not valid (UTF-8) JSON.
+        ValueError: not valid (UTF-8) JSON; a name given twice in one object (``json`` would
+            keep the last silently, another tool the first); or JSON Python will not build (an
+            int past ``sys.get_int_max_str_digits()`` digits, nesting too deep to decode).
     """
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+        return json.loads(raw, object_pairs_hook=lambda pairs: _unique(pairs, where))
+    except _DuplicateName:
+        raise
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); restore the index from a copy or re-save") from None
+
+
+def _unique(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a name given twice is refused."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise _DuplicateName(
+                f"{where}: names {name!r} twice in one object, so which value holds is ambiguous; "
+                f"keep one of them (an index written by a save never repeats a name)"
+            )
+        out[name] = value
+    return out
 
 
 def weight_map_of(index: Any, where: str) -> dict[str, str]:
@@ -168,9 +190,20 @@ def weight_map_of(index: Any, where: str) -> dict[str, str]:
 def file_name_problem(file: str, where: str) -> str | None:
     """Why ``file`` (a weight_map value) is refused, or ``None`` when it is a plain name inside the
     folder: absolute paths, ``..``, backslashes, URLs and un-normalized paths could make a loader
-    read outside the checkpoint."""
+    read outside the checkpoint; ``.`` is the folder itself, and a NUL, another control character
+    or a lone UTF-16 surrogate (``"\\ud800"`` in the JSON) is no file name a store accepts
+    (``os.open`` refuses them with a message that names no file)."""
     norm = posixpath.normpath(file)
-    if file.startswith("/") or "\\" in file or norm.startswith("..") or norm != file or ":" in file:
+    if (
+        file.startswith("/")
+        or "\\" in file
+        or norm == ".."
+        or norm.startswith("../")
+        or norm != file
+        or norm == "."
+        or ":" in file
+        or any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in file)
+    ):
         return (
             f"{where}: weight_map names file {file!r}, which is not a plain relative path inside the "
             f"checkpoint folder; only names like 'model-00001-of-00002.safetensors' are accepted"
@@ -198,14 +231,16 @@ def checksum_table(metadata: Any, where: str) -> tuple[dict[str, int] | None, di
     out: dict[str, int] = {}
     malformed: dict[str, Any] = {}
     for key, value in table.items():
-        if isinstance(value, str) and len(value) == 8:
-            try:
-                out[key] = int(value, 16)
-                continue
-            except ValueError:
-                pass
-        malformed[key] = value
+        # Not int(value, 16) alone: it also takes "0x00001f", " 000001f", "+0000001", "0000_001"
+        # and non-ASCII digits, and "-0000001" gives -1.
+        if isinstance(value, str) and _CRC32_HEX.fullmatch(value):
+            out[key] = int(value, 16)
+        else:
+            malformed[key] = value
     return out, malformed
+
+
+_CRC32_HEX = re.compile(r"[0-9a-fA-F]{8}")
 
 
 _TABLE_SHAPE = "{where}: metadata." + CHECKSUMS_KEY + " must map tensor names to CRC32 values of 8 hex digits"
@@ -251,7 +286,10 @@ def recorded_headers(metadata: Any, files: Iterable[str], where: str) -> dict[st
         text = entry.get("header") if isinstance(entry, dict) else None
         if not isinstance(size, int) or isinstance(size, bool) or not isinstance(text, str):
             raise ValueError(f"{where}: {rule}; the entry of {file!r} is {str(entry)[:80]}. Re-save, or drop metadata.{HEADERS_KEY} to read the files' headers")
-        body = text.encode("utf-8")
+        try:
+            body = text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON) has no UTF-8 form
+            raise ValueError(f"{where}: {rule}; the header of {file!r} holds a lone UTF-16 surrogate, which no header can. Re-save, or drop metadata.{HEADERS_KEY} to read the files' headers") from None
         entries, meta, data_start = decode_header(struct.pack("<Q", len(body)) + body, file_size=size, where=f"{where}: metadata.{HEADERS_KEY}[{file!r}]")
         out[file] = FileHeader(entries, meta, data_start, size)
     return out
@@ -291,7 +329,7 @@ def read_header(
     where = where or _fsio.url_of(fs, path)
     if size is None:
         try:
-            size = fs.size(path)
+            size = _fsio.size(fs, path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{where}: file named by the checkpoint index does not exist") from None
     raw = read_range(path, 0, min(size, HEADER_PROBE))
@@ -332,9 +370,8 @@ def scan_folder(fs: AbstractFileSystem, root: str) -> Folder | None:
     Returns:
         The listing, or ``None`` when ``root`` does not exist or is a file.
     """
-    fs.invalidate_cache(root)
     try:
-        found: Mapping[str, Mapping[str, Any]] = fs.find(root, withdirs=True, detail=True)
+        found: Mapping[str, Mapping[str, Any]] = _fsio.find_entries(fs, root, withdirs=True)
     except FileNotFoundError:  # s3fs: a missing bucket
         return None
     base = root.rstrip("/") + "/"
@@ -349,6 +386,6 @@ def scan_folder(fs: AbstractFileSystem, root: str) -> Folder | None:
         else:
             files[rel] = int(info.get("size") or 0)
     # An empty listing is an empty folder or no folder at all; only then ask which.
-    if not files and not dirs and not fs.isdir(root):
+    if not files and not dirs and not _fsio.isdir(fs, root):
         return None
     return Folder(files, frozenset(dirs))

@@ -103,7 +103,7 @@ def merge_file(
                 raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
             src = readers.get(path)
             if src is None:
-                src = readers[path] = stack.enter_context(source_fs.open(path, "rb", block_size=block))
+                src = readers[path] = stack.enter_context(_fsio.open_read(source_fs, path, block))
             src.seek(soff)
             left = n
             while left:

@@ -45,7 +45,15 @@ class RemoteOperationError(OSError):
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether sending the same request again may succeed."""
+    """Whether sending the same request again may succeed.
+
+    An error that s3fs translated from botocore's (an ``OSError`` whose ``__cause__`` is the
+    ``ClientError`` or connection error) is judged by that cause: s3fs turns a 500 into
+    ``OSError(EREMOTEIO)``, which would otherwise look permanent. A ``RemoteOperationError`` is
+    never transient: its retries have already run out.
+    """
+    if isinstance(exc, RemoteOperationError):
+        return False
     response = getattr(exc, "response", None)
     if isinstance(response, dict) and "Error" in response:  # botocore ClientError
         code = str(response.get("Error", {}).get("Code", ""))
@@ -55,6 +63,9 @@ def is_transient(exc: BaseException) -> bool:
         return code in _TRANSIENT_CODES or status >= 500
     if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
         return False
+    cause = exc.__cause__
+    if type(exc) is OSError and cause is not None and cause is not exc:
+        return is_transient(cause)
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     return any(cls.__name__ in _TRANSIENT_CLASS_NAMES for cls in type(exc).__mro__)
@@ -88,8 +99,13 @@ class RetryPolicy:
             if getattr(self, name) < 0:
                 raise ValueError(f"RetryPolicy({name}={getattr(self, name)!r}) must be >= 0 seconds")
 
-    def call(self, fn: Callable[[], T], *, operation: str, url: str, sleep: Callable[[float], None] = time.sleep) -> T:
+    def call(
+        self, fn: Callable[[], T], *, operation: str, url: str, sleep: Callable[[float], None] = time.sleep, keep_permanent: bool = False
+    ) -> T:
         """``fn()``, retried on transient failures.
+
+        ``keep_permanent``: re-raise a permanent failure as it is, for an ``fn`` whose own errors
+        already say what is wrong (a malformed file: ``ValueError``).
 
         Raises:
             FileNotFoundError, PermissionError: permanent failures of those kinds, message
@@ -103,6 +119,8 @@ class RetryPolicy:
             try:
                 return fn()
             except Exception as exc:  # noqa: BLE001 - classified, then re-raised with context
+                if keep_permanent and not is_transient(exc):
+                    raise
                 attempt += 1
                 sleep(self._delay_or_raise(exc, attempt, started, operation, url))
 

@@ -18,6 +18,7 @@ gave them to (``_spread``); the coordinator then completes the upload (``complet
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 from collections import deque
@@ -34,7 +35,7 @@ from ._retry import RetryPolicy
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart
 from ._spread import Source
 
-__all__ = ["S3", "s3_for", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file", "gather_bytes"]
+__all__ = ["S3", "s3_for", "abort_uploads_under", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file", "gather_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,35 @@ def s3_for(fs: AbstractFileSystem, retry: RetryPolicy) -> S3 | None:
     if type(fs).__module__.split(".")[0] != "s3fs":
         return None
     return S3(fs, retry)
+
+
+def abort_uploads_under(fs: AbstractFileSystem, folder: str, retry: RetryPolicy | None = None) -> int:
+    """Abort every unfinished multipart upload under ``folder`` (``bucket/key``) if ``fs`` is
+    s3fs; returns how many. Such uploads (of a killed save) are invisible in listings but
+    billed, and only a save to the same path would otherwise abort them."""
+    s3 = s3_for(fs, retry or RetryPolicy())
+    if s3 is None:
+        return 0
+    bucket = folder.split("/", 1)[0]
+    orphans = s3.list_uploads(folder.rstrip("/") + "/")
+    parallel_map(lambda o: s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, 8)
+    return len(orphans)
+
+
+def multipart_etag(parts: Sequence[dict[str, Any]]) -> str | None:
+    """The ETag S3 gives the object a multipart upload of ``parts`` completes into: the MD5 of
+    the parts' binary MD5s, then ``-N``. ``None`` when a part's ETag is no plain MD5 (SSE-KMS,
+    some S3-compatible stores), so nothing can be told from it."""
+    digests = []
+    for e in sorted(parts, key=lambda e: e["PartNumber"]):
+        tag = str(e["ETag"]).strip('"')
+        if len(tag) != 32:
+            return None
+        try:
+            digests.append(bytes.fromhex(tag))
+        except ValueError:
+            return None
+    return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(digests)}"'
 
 
 def _bucket_key(path: str) -> tuple[str, str]:
@@ -115,8 +145,38 @@ class S3:
         return self.get_ranges(path, [(start, end)])[0]
 
     def create_upload(self, path: str) -> str:
+        """A new multipart upload of ``path``; its id.
+
+        The one request here that is not idempotent: an attempt whose answer was lost (cut
+        short, or the connection dropped once the request was sent) may have created an upload
+        whose id nobody knows, invisible but billed, which even a save that completes would
+        leave open. So after a retried create, every other unfinished upload of this exact key
+        is aborted: a save creates its uploads only after aborting those a killed save left
+        under its path, so any other is such an orphan.
+        """
         bucket, key = _bucket_key(path)
-        return self._call("create_multipart_upload", "CreateMultipartUpload", path, Bucket=bucket, Key=key)["UploadId"]
+        attempts = 0
+
+        def once() -> Any:
+            nonlocal attempts
+            attempts += 1
+            return sync(self.fs.loop, self._once, "create_multipart_upload", {"Bucket": bucket, "Key": key})
+
+        upload_id = self.retry.call(once, operation="CreateMultipartUpload", url=f"s3://{path}")["UploadId"]
+        if attempts > 1:
+            self._abort_orphans(path, upload_id)
+        return upload_id
+
+    def _abort_orphans(self, path: str, keep: str) -> None:
+        """Abort every unfinished upload of exactly ``path`` but ``keep``; a failure is only logged
+        (the next save to this path aborts what is left)."""
+        key = _bucket_key(path)[1]
+        try:
+            orphans = [upload_id for k, upload_id in self.list_uploads(path) if k == key and upload_id != keep]
+            for upload_id in orphans:
+                self.abort_upload(path, upload_id)
+        except Exception as exc:  # noqa: BLE001 - the upload itself was created; only cleanup failed
+            logger.warning("could not abort the uploads a retried CreateMultipartUpload of s3://%s may have left (%s)", path, exc)
 
     def upload_part(self, path: str, upload_id: str, number: int, data: bytes | bytearray) -> dict[str, Any]:
         bucket, key = _bucket_key(path)
@@ -139,11 +199,17 @@ class S3:
                 raise
 
     def _size(self, path: str) -> int | None:
+        head = self.head(path)
+        return None if head is None else head[0]
+
+    def head(self, path: str) -> tuple[int, str] | None:
+        """``(size, ETag)`` of an object, or ``None`` if there is none."""
         bucket, key = _bucket_key(path)
         try:
-            return int(self._call("head_object", "HEAD", path, Bucket=bucket, Key=key)["ContentLength"])
+            r = self._call("head_object", "HEAD", path, Bucket=bucket, Key=key)
         except FileNotFoundError:
             return None
+        return int(r["ContentLength"]), str(r["ETag"])
 
     def abort_upload(self, path: str, upload_id: str) -> None:
         bucket, key = _bucket_key(path)

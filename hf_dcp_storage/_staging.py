@@ -9,6 +9,10 @@ While a save is under way its folder holds, under ``.hf_dcp_staging/``:
 * ``rank{r:05d}.json``: written by rank ``r`` once every byte it owes is durable (or uploaded):
   what it wrote, item by item (key, chunk, where its staged bytes sit, its CRC32 share, S3
   part ETags).
+* ``complete.json`` (S3): written by the coordinator just before it completes the multipart
+  uploads: every file's parts and their ETags, so that a save that died while completing can
+  tell a file it completed (the object's ETag is the one those parts make) from one whose
+  upload was lost.
 
 With both, the coordinator's ``finish`` (merge or complete the uploads, write the index) can be
 run later by another process (``hf-dcp consolidate``). The folder is deleted once the index is
@@ -31,6 +35,8 @@ __all__ = [
     "SAVE_RECORD",
     "MODES",
     "rank_record_name",
+    "COMPLETION_RECORD",
+    "CompletionRecord",
     "RecordError",
     "SaveRecord",
     "ItemRecord",
@@ -40,6 +46,7 @@ __all__ = [
 
 FORMAT = 1
 SAVE_RECORD = "save.json"
+COMPLETION_RECORD = "complete.json"
 MODES = ("direct", "staged", "s3")
 
 
@@ -126,6 +133,26 @@ class RankRecord:
             return cls(str(obj["save_id"]), int(obj["rank"]), items)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"{where}: not a valid rank record ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class CompletionRecord:
+    """The parts the coordinator completed each file's upload with (``complete.json``)."""
+
+    save_id: str
+    parts: Mapping[str, tuple[dict[str, Any], ...]]  # file name -> ({"PartNumber", "ETag"}, ...)
+
+    def encode(self) -> bytes:
+        return _json({"format": FORMAT, "save_id": self.save_id, "parts": {n: list(p) for n, p in sorted(self.parts.items())}})
+
+    @classmethod
+    def decode(cls, raw: bytes, where: str) -> CompletionRecord:
+        obj = _load(raw, where)
+        try:
+            parts = {str(n): tuple({"PartNumber": int(e["PartNumber"]), "ETag": str(e["ETag"])} for e in p) for n, p in obj["parts"].items()}
+            return cls(str(obj["save_id"]), parts)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise RecordError(f"{where}: not a valid completion record ({type(exc).__name__}: {exc})") from None
 
 
 def layout_from_files(files: tuple[tuple[str, bytes], ...], where: str) -> Layout:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 __all__ = ["STEP_RE", "COMMIT_MARKER", "step_name", "parse_step", "RetentionPolicy", "to_remove"]
 
-STEP_RE = re.compile(r"step_(0|[1-9]\d*)")
+# [0-9], not \d: \d also matches other scripts' digits, and int() reads them, so "step_1\u0662"
+# would parse as step 12 (a folder that step_name(12) does not name).
+STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
 # Written last into a step folder; its presence is what makes the step complete.
 COMMIT_MARKER = "COMMITTED"
 
@@ -42,17 +44,18 @@ class RetentionPolicy:
     ``keep_every`` (kept forever) when given.
 
     Raises:
-        ValueError: ``keep_last_n < 1`` (the newest complete step is always kept) or
-            ``keep_every < 1``.
+        ValueError: ``keep_last_n`` not an int >= 1 (the newest complete step is always kept)
+            or ``keep_every`` not ``None`` or an int >= 1; a bool is no count (``True`` would
+            pass as 1).
     """
 
     keep_last_n: int = 3
     keep_every: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.keep_last_n, int) or self.keep_last_n < 1:
+        if not isinstance(self.keep_last_n, int) or isinstance(self.keep_last_n, bool) or self.keep_last_n < 1:
             raise ValueError(f"keep_last_n={self.keep_last_n!r} must be an int >= 1: the newest complete step is always kept")
-        if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
+        if self.keep_every is not None and (not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 1):
             raise ValueError(f"keep_every={self.keep_every!r} must be None or an int >= 1 (keep steps that are multiples of it)")
 
 

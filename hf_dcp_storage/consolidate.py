@@ -26,8 +26,9 @@ from ._layout import INDEX_NAME, Layout
 from ._parallel import parallel_map
 from ._progress import NO_PROGRESS, Progress
 from ._retry import RetryPolicy
-from ._staging import SAVE_RECORD, RankRecord, SaveRecord, layout_from_files, rank_record_name
-from .writer import STAGING_DIR, HFStorageWriter, _Written
+from ._s3 import multipart_etag
+from ._staging import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, RankRecord, SaveRecord, layout_from_files, rank_record_name
+from .writer import _FINISHED, STAGING_DIR, HFStorageWriter, _Finished, _Written
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 
@@ -115,8 +116,12 @@ def consolidate_checkpoint(
     writer = HFStorageWriter(dst if dst is not None else src, storage_options=storage_options, thread_count=thread_count, retry=retry, overwrite=overwrite)
     writer._progress = progress
     moved = 0
+    completed: set[int] = set()
     if in_place and record.mode == "s3":
-        _check_uploads(writer, record, layout)
+        completion = _read_completion(fs, staging, names, record, url)
+        completed = _check_uploads(writer, record, layout, completion)
+        if completion is not None:
+            results = _with_gathered_parts(results, layout, completion)
     elif not in_place:
         writer._source = (fs, root)
         writer._prepare_destination(layout, direct=False)
@@ -125,7 +130,7 @@ def consolidate_checkpoint(
             progress.start(sum(f.size for f in layout.files), "copying")
             parallel_map(lambda f: _copy(fs, _fsio.join(root, f.name), writer.fs, _fsio.join(writer.root, f.name), f.size, progress), layout.files, thread_count)
             moved = sum(f.size for f in layout.files)
-    writer._adopt(layout, record.mode, plans, record.uploads)
+    writer._adopt(layout, record.mode, plans, record.uploads, record.save_id, completed)
     if record.mode == "staged":
         progress.start(sum(f.size for f in layout.files), "merging")
     writer.finish(None, results)  # type: ignore[arg-type]  # finish does not read the metadata
@@ -139,7 +144,7 @@ def consolidate_checkpoint(
 def _read_records(fs: Any, staging: str, names: set[str], url: str) -> tuple[SaveRecord, list[RankRecord]]:
     """The save record and every rank's record; refuses a save a rank did not finish."""
     where = f"{url}/{STAGING_DIR}"
-    record = SaveRecord.decode(fs.cat_file(_fsio.join(staging, SAVE_RECORD)), f"{where}/{SAVE_RECORD}")
+    record = SaveRecord.decode(_fsio.read_all(fs, _fsio.join(staging, SAVE_RECORD)), f"{where}/{SAVE_RECORD}")
     missing = [r for r in range(record.world_size) if rank_record_name(r) not in names]
     if missing:
         shown = missing if len(missing) <= 16 else [*missing[:16], "..."]
@@ -147,7 +152,7 @@ def _read_records(fs: Any, staging: str, names: set[str], url: str) -> tuple[Sav
             f"{url}: ranks {shown} of {record.world_size} never finished writing (no {STAGING_DIR}/rankNNNNN.json), "
             f"so the save's data is incomplete and cannot be consolidated; save the checkpoint again"
         )
-    raws = parallel_map(lambda r: fs.cat_file(_fsio.join(staging, rank_record_name(r))), range(record.world_size), 8)
+    raws = parallel_map(lambda r: _fsio.read_all(fs, _fsio.join(staging, rank_record_name(r))), range(record.world_size), 8)
     ranks = [RankRecord.decode(raw, f"{where}/{rank_record_name(r)}") for r, raw in enumerate(raws)]
     for r, rank in enumerate(ranks):
         if rank.save_id != record.save_id or rank.rank != r:
@@ -189,23 +194,61 @@ def _rebuild(layout: Layout, ranks: list[RankRecord], url: str) -> tuple[list[Sa
     return plans, results
 
 
-def _check_uploads(writer: HFStorageWriter, record: SaveRecord, layout: Layout) -> None:
-    """Refuse, before completing anything, when a multipart upload of the save is gone."""
+def _read_completion(fs: Any, staging: str, names: set[str], record: SaveRecord, url: str) -> CompletionRecord | None:
+    """The coordinator's completion record (S3), if it got as far as writing it for this save."""
+    if COMPLETION_RECORD not in names:
+        return None
+    where = f"{url}/{STAGING_DIR}/{COMPLETION_RECORD}"
+    completion = CompletionRecord.decode(_fsio.read_all(fs, _fsio.join(staging, COMPLETION_RECORD)), where)
+    return completion if completion.save_id == record.save_id else None
+
+
+def _check_uploads(writer: HFStorageWriter, record: SaveRecord, layout: Layout, completion: CompletionRecord | None) -> set[int]:
+    """The files whose upload the save had completed already; refuses, before completing
+    anything, when an upload is gone otherwise (aborted: its bytes are lost).
+
+    A completed file is told from a stale object of the same name (an older checkpoint's) by
+    its ETag: the one the recorded parts make (``multipart_etag``).
+    """
     s3 = writer._s3
     assert s3 is not None
     open_ids = {upload_id for _, upload_id in s3.list_uploads(writer.root.rstrip("/") + "/")}
-    gone = [layout.files[f].name for f, upload_id in sorted(record.uploads.items()) if upload_id not in open_ids]
+    completed, gone = set(), []
+    for f, upload_id in sorted(record.uploads.items()):
+        if upload_id in open_ids:
+            continue
+        plan = layout.files[f]
+        parts = completion.parts.get(plan.name) if completion is not None else None
+        head = s3.head(_fsio.join(writer.root, plan.name)) if parts else None
+        if head is not None and head == (plan.size, multipart_etag(parts)):
+            completed.add(f)
+        else:
+            gone.append(plan.name)
     if gone:
         raise ValueError(
             f"{_fsio.url_of(writer.fs, writer.root)}: the save's multipart uploads of {gone} no longer exist (aborted by the "
             f"failing save itself, by a later save to this path, or by a bucket lifecycle rule), so their bytes are gone; "
             f"save the checkpoint again"
         )
+    return completed
+
+
+def _with_gathered_parts(results: list[list[WriteResult]], layout: Layout, completion: CompletionRecord) -> list[list[WriteResult]]:
+    """``results`` plus the gathered parts the ranks had uploaded (from the completion record),
+    as ``finish`` would have received them: those are not gathered again."""
+    own = {(r.storage_data.file, e["PartNumber"]) for rs in results for r in rs for e in r.storage_data.parts}
+    file_of = {plan.name: f for f, plan in enumerate(layout.files)}
+    gathered = {
+        file_of[name]: tuple(e for e in parts if (file_of[name], e["PartNumber"]) not in own)
+        for name, parts in completion.parts.items() if name in file_of
+    }
+    extra = WriteResult(_FINISHED, 0, _Finished({f: p for f, p in gathered.items() if p}, (), 0))
+    return [*results[:-1], [*results[-1], extra]] if results else [[extra]]
 
 
 def _copy(src_fs: Any, src: str, dst_fs: Any, dst: str, size: int, progress: Progress) -> None:
     """Stream one file to another store, 8 MiB at a time; the destination appears only when whole."""
-    with src_fs.open(src, "rb", block_size=_COPY_BYTES) as f, _fsio.write_stream(dst_fs, dst, size) as out:
+    with _fsio.open_read(src_fs, src, _COPY_BYTES) as f, _fsio.write_stream(dst_fs, dst, size) as out:
         while block := f.read(_COPY_BYTES):
             out.write(block)
             progress.advance(len(block))
@@ -219,7 +262,7 @@ def _check_files(fs: Any, root: str, layout: Layout, url: str) -> None:
     """Refuse to commit files written in place that are missing or of the wrong size."""
     for f in layout.files:
         try:
-            size = fs.size(_fsio.join(root, f.name))
+            size = _fsio.size(fs, _fsio.join(root, f.name))
         except FileNotFoundError:
             size = None
         if size != f.size:

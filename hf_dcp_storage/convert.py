@@ -200,7 +200,6 @@ def _save_with(
 
 def _refuse_existing(fs: AbstractFileSystem, root: str, markers: Sequence[str], what: str) -> None:
     """Raise if ``root`` holds a complete checkpoint (one of its commit ``markers``)."""
-    fs.invalidate_cache(root)
     found = [m for m in markers if _fsio.exists(fs, _fsio.join(root, m))]
     if found:
         raise FileExistsError(
@@ -367,7 +366,6 @@ def _open_dcp(src: str | os.PathLike[str], storage_options: dict[str, Any] | Non
     """
     fs, root = _fsio.resolve(src, storage_options)
     where = _fsio.url_of(fs, root)
-    fs.invalidate_cache(root)
     if not _fsio.exists(fs, _fsio.join(root, DCP_METADATA_NAME)):
         raise FileNotFoundError(f"{where} is not a DCP checkpoint: {_describe_non_dcp(fs, root)}")
     # FileSystemReader takes a plain path (it would mangle file://); anything else goes through fsspec.
@@ -512,7 +510,7 @@ def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
 
 def _committed_hf_files(writer: HFStorageWriter) -> tuple[str, ...]:
     """The data files the committed index names, then the index."""
-    index = json.loads(writer.fs.cat_file(_fsio.join(writer.root, INDEX_NAME)))
+    index = json.loads(_fsio.read_all(writer.fs, _fsio.join(writer.root, INDEX_NAME)))
     return (*sorted(set(index["weight_map"].values())), INDEX_NAME)
 
 
@@ -721,14 +719,13 @@ def _check_bucket(fs: AbstractFileSystem, root: str) -> None:
     if "s3" not in protocols:
         return
     bucket = root.split("/", 1)[0]
-    if not fs.exists(bucket):
+    if not _fsio.exists(fs, bucket):
         raise FileNotFoundError(f"s3://{bucket} does not exist; create the bucket first (it is never created for you)")
 
 
 def _uncommit_dcp(fs: AbstractFileSystem, root: str) -> None:
     """Remove a DCP checkpoint's ``.metadata`` (its commit marker) first, then its data files."""
     _fsio.remove(fs, _fsio.join(root, DCP_METADATA_NAME))
-    fs.invalidate_cache(root)
     stale = [n for n in _fsio.list_names(fs, root) if _DISTCP_RE.match(n) or n == DCP_METADATA_NAME + ".tmp"]
     _fsio.remove_many(fs, [_fsio.join(root, n) for n in stale])
 

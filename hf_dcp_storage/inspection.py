@@ -253,7 +253,7 @@ def open_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any
     url = _fsio.url_of(fs, root)
     folder = scan_folder(fs, root)
     if folder is None:
-        what = "a file, not a checkpoint folder" if fs.isfile(root) else "no such checkpoint folder"
+        what = "a file, not a checkpoint folder" if _fsio.isfile(fs, root) else "no such checkpoint folder"
         raise FileNotFoundError(f"{url}: {what}; give the folder that holds {INDEX_NAME} (or {DCP_METADATA})")
     kind = _format_of(folder)
     if kind is None:
@@ -396,7 +396,7 @@ def _planned_save(fs: AbstractFileSystem, root: str, folder: Folder, record: str
     """An unfinished save described from its own record: the files and tensors it planned, and
     how many ranks recorded their writes. A note (str) instead when the record is damaged."""
     try:
-        save = SaveRecord.decode(fs.cat_file(_fsio.join(root, record)), record)
+        save = SaveRecord.decode(_fsio.read_all(fs, _fsio.join(root, record)), record)
         layout = layout_from_files(save.files, record)
     except RecordError as exc:
         return f"unreadable save record, left out: {exc}"

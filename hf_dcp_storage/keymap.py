@@ -75,7 +75,10 @@ class KeyMapping:
 
     Raises:
         KeyMappingError: not a mapping of non-empty strings to non-empty strings or ``None``;
-            braces other than ``{}``; different placeholder counts on the two sides of a rule.
+            braces other than ``{}``; different placeholder counts on the two sides of a rule;
+            two placeholders of a source with only digits between them (``{}{}``, ``{}1{}``):
+            ambiguous, and matching keys against such a rule takes time exponential in the
+            number of placeholders.
     """
 
     def __init__(self, rules: Mapping[str, str | None], *, origin: str = "key_mapping") -> None:
@@ -165,6 +168,11 @@ def _check_rule(source: object, target: object, origin: str) -> None:
                 f"{origin}: rule {source!r}: {target!r} has braces other than {{}}; the only placeholder is {{}} "
                 f"(one run of digits, such as a layer number)"
             )
+    if re.search(r"\{\}\d*\{\}", source):
+        raise KeyMappingError(
+            f"{origin}: rule {source!r} has two {{}} placeholders with only digits between them, so a key's digits "
+            f"could be split between them in several ways; separate them with a non-digit, such as '.'"
+        )
     if target is not None and source.count(_PLACEHOLDER) != target.count(_PLACEHOLDER):
         raise KeyMappingError(
             f"{origin}: rule {source!r}: {target!r} has {source.count(_PLACEHOLDER)} {{}} placeholder(s) on the "
@@ -193,14 +201,18 @@ def load_key_mapping(source: str | os.PathLike[str] | Mapping[str, str | None] |
     where = os.fspath(source)
     try:
         fs, path = _fsio.resolve(where, None)
-        raw = fs.cat_file(path)
+        raw = _fsio.read_all(fs, path)
     except (OSError, ValueError, ImportError) as exc:
         raise KeyMappingError(f"cannot read key mapping {where}: {exc}; pass the path of a JSON file") from exc
     try:
         rules = json.loads(raw, object_pairs_hook=lambda pairs: _no_duplicates(pairs, where))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except KeyMappingError:
+        raise
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors; so is an int past
+    # sys.get_int_max_str_digits() digits, and nesting too deep to decode is a RecursionError.
+    except (ValueError, RecursionError) as exc:
         raise KeyMappingError(
-            f"{where}: not valid JSON ({exc}); a key mapping is one object such as "
+            f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); a key mapping is one object such as "
             f'{{"layers.{{}}.attention.wq.weight": "model.layers.{{}}.self_attn.q_proj.weight", "freqs_cis": null}}'
         ) from None
     return KeyMapping(rules, origin=where)

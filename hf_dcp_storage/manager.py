@@ -16,9 +16,13 @@ are broadcast, so every rank sees the same answer.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import logging
 import os
 import threading
+import weakref
 import time
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
@@ -31,6 +35,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _fsio
+from ._arrival import DEFAULT_RANK_TIMEOUT, check_rank_timeout
 from ._retry import RetryPolicy
 from ._steps import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from ._trainstate import capture_rng, join, restore_rng, split
@@ -39,6 +44,8 @@ from .runs import remove_step, step_status
 from .writer import HFStorageWriter
 
 __all__ = ["CheckpointManager", "TRAINING_STATE_DIR"]
+
+logger = logging.getLogger(__name__)
 
 TRAINING_STATE_DIR = "training_state"
 
@@ -52,6 +59,8 @@ class CheckpointManager:
         keep_every: also keep, forever, every complete step that is a multiple of this.
         storage_options: passed to fsspec.
         max_shard_size, thread_count, retry: passed to ``HFStorageWriter`` / ``HFStorageReader``.
+        rank_timeout: passed to ``HFStorageWriter``: how long the ranks of an object-store save
+            wait for a silent (dead or hung) rank before the save fails.
         overwrite: let ``save`` replace a complete step of the same number (else refused).
         reuse_staging: with ``save(..., async_save=True)``, keep the host copy of the tensors
             that an async save stages and copy into it again at the next save, instead of
@@ -60,7 +69,7 @@ class CheckpointManager:
             between saves. Free it with ``close()``, or use the manager in a ``with`` block.
 
     Raises:
-        ValueError: a bad retention setting, naming it.
+        ValueError: a bad retention setting or ``rank_timeout``, naming it.
     """
 
     def __init__(
@@ -75,6 +84,7 @@ class CheckpointManager:
         retry: RetryPolicy | None = None,
         overwrite: bool = False,
         reuse_staging: bool = False,
+        rank_timeout: float = DEFAULT_RANK_TIMEOUT,
     ) -> None:
         self.policy = RetentionPolicy(keep_last_n, keep_every)
         self.storage_options = storage_options
@@ -82,6 +92,7 @@ class CheckpointManager:
         self.url = _fsio.url_of(self.fs, self.root)
         self._io = {"storage_options": storage_options, "thread_count": thread_count, "retry": retry}
         self.max_shard_size = max_shard_size
+        self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
         self._in_flight: tuple[int, Future[int]] | None = None
         self._async_groups: tuple[Any, Any] | None = None
@@ -91,16 +102,35 @@ class CheckpointManager:
         # each, since the two saves stage different tensors. A save waits for the previous one
         # (``save`` calls ``wait`` first), so a staged copy is never refilled while being written.
         self._stagers: tuple[Any, Any] | None = None
+        _OPEN.add(self)
 
     def close(self) -> None:
-        """(all ranks) Wait for an async save in flight, then free the reused staging copies.
-        The manager can still save afterwards (a new copy is made at the next async save)."""
+        """(all ranks) Wait for an async save in flight, then free what the manager holds: the
+        reused staging copies and the process groups it made. The manager can still save
+        afterwards (it makes them again when needed).
+
+        Also run at interpreter exit for a manager still open (``atexit``, before Python tears
+        down its modules): the last async save commits and the groups are destroyed while the
+        interpreter is whole, instead of a commit thread or a gloo group being torn down under
+        finalization, which can abort the process after the step has committed.
+        """
         try:
             self.wait()
         finally:
             stagers, self._stagers = self._stagers, None
             for stager in stagers or ():
                 stager.close()
+            self._destroy_groups()
+            _OPEN.discard(self)
+
+    def _destroy_groups(self) -> None:
+        groups = [g for g in (*(self._async_groups or ()), self._control_group) if g is not None and g is not dist.group.WORLD]
+        self._async_groups = self._control_group = None
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # the job destroyed every group already (destroy_process_group())
+        for group in groups:
+            with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with its job
+                dist.destroy_process_group(group)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -171,8 +201,9 @@ class CheckpointManager:
             self.fs.makedirs(state_folder, exist_ok=True)
         _fsio.write_atomic(self.fs, _fsio.join(state_folder, _rank_file(self._rank)), payload)
         # Writers and readers take URLs: a bare path of a remote store would mean local disk.
-        model_writer = HFStorageWriter(self._url(folder), max_shard_size=self.max_shard_size, **self._io)
-        state_writer = HFStorageWriter(self._url(state_folder), max_shard_size=self.max_shard_size, **self._io) if tensors else None
+        options = {"max_shard_size": self.max_shard_size, "rank_timeout": self.rank_timeout, **self._io}
+        model_writer = HFStorageWriter(self._url(folder), **options)
+        state_writer = HFStorageWriter(self._url(state_folder), **options) if tensors else None
         if not async_save:
             dcp.save(dict(model_state_dict), storage_writer=model_writer)
             if state_writer is not None:
@@ -215,7 +246,9 @@ class CheckpointManager:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 done.set_exception(exc)
 
-        threading.Thread(target=finish, name=f"hf-dcp-commit-step-{step}", daemon=True).start()
+        # Not a daemon: a script that ends right after an async save still commits it (Python
+        # joins such threads before it finalizes) instead of being cut off mid-commit.
+        threading.Thread(target=finish, name=f"hf-dcp-commit-step-{step}").start()
         self._in_flight = (step, done)
         return done
 
@@ -250,9 +283,9 @@ class CheckpointManager:
         reader_io = {"storage_options": self.storage_options, "thread_count": self._io["thread_count"], "retry": self._io["retry"]}
         dcp.load(model_state_dict, storage_reader=HFStorageReader(self._url(folder), **reader_io))
         if training_state is not None:
-            marker = json.loads(self.fs.cat_file(_fsio.join(folder, COMMIT_MARKER)))
+            marker = json.loads(_fsio.read_all(self.fs, _fsio.join(folder, COMMIT_MARKER)))
             state_folder = _fsio.join(folder, TRAINING_STATE_DIR)
-            saved = json.loads(self.fs.cat_file(_fsio.join(state_folder, _rank_file(self._rank % marker["world_size"]))))
+            saved = json.loads(_fsio.read_all(self.fs, _fsio.join(state_folder, _rank_file(self._rank % marker["world_size"]))))
             self._load_training_state(training_state, saved["values"], self._url(state_folder), reader_io)
             restore_rng(saved["rng"])
         self._barrier()
@@ -328,12 +361,14 @@ class CheckpointManager:
         if not self.reuse_staging:
             return None, None
         if self._stagers is None:
+            _OPEN.add(self)
             cuda = torch.cuda.is_available()
             options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
             self._stagers = (DefaultStager(options), DefaultStager(options))
         return self._stagers
 
     def _groups(self) -> tuple[Any, Any]:
+        _OPEN.add(self)  # again, if it was closed: the exit hook must destroy what it makes now
         if self._async_groups is None:
             if dist.is_available() and dist.is_initialized():
                 self._async_groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
@@ -356,6 +391,7 @@ class CheckpointManager:
         ``torch.cuda.current_device()``, which is GPU 0 on every rank that never called
         ``torch.cuda.set_device``; a few hundred bytes of decisions need no GPU at all."""
         if self._control_group is None:
+            _OPEN.add(self)
             backend = str(dist.get_backend())
             self._control_group = dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
         return self._control_group
@@ -377,6 +413,19 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self._control())
+
+
+# Managers not yet closed, for the exit hook (weakly: a manager dropped by its owner is not kept).
+_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_managers() -> None:
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except BaseException as exc:  # noqa: BLE001 - at exit: report, and close the others
+            logger.error("closing a CheckpointManager at exit failed: %s", exc)
 
 
 def _rank_file(rank: int) -> str:

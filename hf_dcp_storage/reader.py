@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import _fsio
-from ._header import TensorEntry
+from ._header import HeaderError, TensorEntry
 from ._hostbuf import HostBuffers, from_host
 from ._hfindex import FileHeader, load_weight_map, read_bytes, read_header
 from ._layout import INDEX_NAME, chunk_runs, element_size
@@ -73,12 +73,16 @@ class HFStorageReader(StorageReader):
         retry: how transient failures of remote reads are retried; default ``RetryPolicy()``.
         verify: check every tensor a rank loads against the CRC32 the index recorded at save
             time. The rank then reads each such tensor whole (once, filling its regions from
-            the same bytes), so a resharded load reads more than without it.
+            the same bytes), so a resharded load reads more than without it. Each rank also
+            reads every file's own header and checks that, where it decodes, it equals the
+            copy the index records (``metadata.headers``): a CRC32 covers a tensor's bytes but
+            not the dtype, shape or offsets they are read with.
 
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is missing.
         ValueError: malformed index, a file name escaping the folder, corrupt or truncated files;
-            with ``verify=True``, an index without checksums.
+            with ``verify=True``, an index without checksums, or a file whose header differs
+            from the index's copy of it.
 
     Raises (from ``read_data``, with ``verify=True``):
         ValueError: a tensor whose bytes fail their checksum, naming its file and key.
@@ -147,6 +151,8 @@ class HFStorageReader(StorageReader):
         files = sorted(set(weight_map.values()))
         # The index's copies where it has them: no request per file (every rank reads this).
         recorded = recorded or {}
+        if self.verify:
+            self._check_recorded(recorded)
         unrecorded = [f for f in files if f not in recorded]
         headers = {f: (h.by_name, h.data_start) for f, h in recorded.items()}
         headers.update(zip(unrecorded, parallel_map(self._read_header, unrecorded, self.thread_count), strict=True))
@@ -328,15 +334,67 @@ class HFStorageReader(StorageReader):
             view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
 
     def _weight_map(self) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
-        """``key -> file``, the recorded checksums and headers (``_hfindex.load_weight_map``)."""
-        return load_weight_map(self.fs, self.root, self._read_range)
+        """``key -> file``, the recorded checksums and headers (``_hfindex.load_weight_map``).
+
+        Retried as a whole: the index (and a folder's listing) is read through fsspec, and s3fs
+        retries neither a 500 nor a connection reset. A permanent failure keeps its own error.
+        """
+        return self.retry.call(
+            lambda: load_weight_map(self.fs, self.root, self._read_range), operation="read the index of", url=_fsio.url_of(self.fs, self.root), keep_permanent=True
+        )
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return read_bytes(self.fs, path, start, end, retry=self.retry, s3=self._s3)
 
     def _read_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int]:
-        header = read_header(self.fs, self.root, file, self._read_range)
+        # Retried as a whole, as the index is: the file's size comes through fsspec (a HEAD that
+        # s3fs does not retry on a 500); a permanent failure (a corrupt header) keeps its error.
+        header = self.retry.call(
+            lambda: read_header(self.fs, self.root, file, self._read_range), operation="read the header of", url=self._url(file), keep_permanent=True
+        )
         return header.by_name, header.data_start
+
+    def _file_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int] | None:
+        """``_read_header``, or ``None`` where the file's header does not decode."""
+        try:
+            return self._read_header(file)
+        except HeaderError:
+            return None
+
+    def _check_recorded(self, recorded: Mapping[str, FileHeader]) -> None:
+        """(verify=True) Each file's own header, where it decodes, must equal the index's copy of
+        it, which the load trusts: a dtype changed there (``F32`` to ``I32``) reinterprets bytes
+        whose CRC32 still matches. Two headers that disagree mean one is corrupt, and nothing
+        tells which. A file header that does not decode leaves the copy as the only description
+        of the file, so the load goes on with it, and the CRC32s check the bytes.
+
+        Raises:
+            FileNotFoundError: a file is missing.
+            ValueError: a file's header and the index's copy differ; the message names the first
+                difference.
+        """
+        files = sorted(recorded)
+        for file, actual in zip(files, parallel_map(self._file_header, files, self.thread_count), strict=True):
+            if actual is None:
+                continue
+            difference = _header_difference(recorded[file].by_name, recorded[file].data_start, *actual)
+            if difference is not None:
+                raise ValueError(
+                    f"{self._url(file)}: the file's header differs from the copy in {INDEX_NAME} (metadata.headers): "
+                    f"{difference}; the file or the index is corrupt: restore both from a copy, or re-save"
+                )
+
+
+def _header_difference(copy: Mapping[str, TensorEntry], copy_start: int, actual: Mapping[str, TensorEntry], actual_start: int) -> str | None:
+    """How a file's header (``actual``) differs from the index's copy of it, or ``None``."""
+    if copy_start != actual_start:
+        return f"the data starts at byte {copy_start} in the copy, {actual_start} in the file"
+    for key in sorted(set(copy) | set(actual)):
+        a, b = copy.get(key), actual.get(key)
+        if a != b:
+            described = [f"{e.dtype} {list(e.shape)} at [{e.begin}, {e.end}]" if e else "absent" for e in (a, b)]
+            return f"tensor {key!r} is {described[0]} in the copy, {described[1]} in the file"
+    return None
 
 
 def coalesce(spans: list[tuple[int, int]], waste: float = 0.1, gap_bytes: int = READ_GAP_BYTES) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ from fsspec import AbstractFileSystem
 
 from . import _fsio
 from ._parallel import parallel_map
+from ._s3 import abort_uploads_under
 from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
 
 __all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step"]
@@ -132,14 +133,8 @@ def step_status(fs: AbstractFileSystem, root: str, *, missing_ok: bool = False) 
     Raises:
         FileNotFoundError: ``root`` does not exist and ``missing_ok`` is off.
     """
-    fs.invalidate_cache(root)
-    try:
-        entries = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        if missing_ok:
-            return {}
-        raise FileNotFoundError(_missing(fs, root)) from None
-    if not entries and not missing_ok and not fs.isdir(root):
+    entries = _fsio.list_entries(fs, root)
+    if not entries and not missing_ok and not _fsio.isdir(fs, root):
         raise FileNotFoundError(_missing(fs, root))
     steps = sorted(
         s for e in entries if e.get("type") == "directory" and (s := parse_step(posixpath.basename(e["name"].rstrip("/")))) is not None
@@ -153,10 +148,12 @@ def remove_step(fs: AbstractFileSystem, root: str, step: int) -> None:
 
     The commit marker goes first, then the rest: a bulk delete (S3 deletes 1,000 keys per
     request, in any order) interrupted half-way must leave an incomplete step, which nothing
-    loads and retention removes later, never a "complete" one with files missing.
+    loads and retention removes later, never a "complete" one with files missing. On S3 the
+    unfinished multipart uploads under the folder (a killed save's) are aborted too.
     """
     folder = _fsio.join(root, step_name(step))
     _fsio.remove(fs, _fsio.join(folder, COMMIT_MARKER))
+    abort_uploads_under(fs, folder)
     _fsio.remove_tree(fs, folder)
 
 
@@ -207,11 +204,10 @@ def prune_run(
 
 def _list_run(fs: AbstractFileSystem, root: str, missing_ok: bool) -> dict[str, Mapping[str, Any]]:
     """Every entry under ``root`` (files and folders), by path relative to it."""
-    fs.invalidate_cache(root)
     try:
         # Folders too: an empty step folder (a save that crashed before its first file) is an
         # incomplete step that retention must see. s3fs infers them from the keys, no extra request.
-        found = fs.find(root, withdirs=True, detail=True)
+        found = _fsio.find_entries(fs, root, withdirs=True)
     except FileNotFoundError as exc:  # s3fs: a missing bucket
         if missing_ok:
             return {}
@@ -219,7 +215,7 @@ def _list_run(fs: AbstractFileSystem, root: str, missing_ok: bool) -> dict[str, 
     base = root.rstrip("/") + "/"
     under = {path[len(base) :]: info for path, info in found.items() if path.startswith(base)}
     # An empty listing is either an empty run or no run at all; only then ask which.
-    if not under and not missing_ok and not fs.isdir(root):
+    if not under and not missing_ok and not _fsio.isdir(fs, root):
         raise FileNotFoundError(_missing(fs, root))
     return under
 

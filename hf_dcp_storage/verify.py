@@ -382,12 +382,18 @@ class _Verification:
             actual = headers.get(file)
             if not copy or actual is None:
                 continue  # not recorded; or a missing or unreadable file, reported once, by file
-            # The size aside: trailing bytes or truncation are reported by file already.
             if (copy[file].entries, copy[file].metadata, copy[file].data_start) != (actual.entries, actual.metadata, actual.data_start):
                 self.problem(
                     where, None,
                     f"{where}: metadata.{HEADERS_KEY}[{file!r}] differs from the header of {d.name(file)} (a file replaced "
                     f"after the save?), and loaders read the index's copy; re-save, or drop metadata.{HEADERS_KEY} so that they read the files",
+                )  # fmt: skip
+            # A file with trailing bytes is reported by file already; this is a sound file the copy misdescribes.
+            elif copy[file].size != actual.size and actual.size == actual.data_end:
+                self.problem(
+                    where, None,
+                    f"{where}: metadata.{HEADERS_KEY}[{file!r}] records a size of {copy[file].size} bytes, but {d.name(file)} has "
+                    f"{actual.size}; re-save, or drop metadata.{HEADERS_KEY} so that loaders read the files' headers",
                 )  # fmt: skip
 
     def _coverage(self, d: _Dir, index: _IndexView, headers: dict[str, FileHeader]) -> None:
@@ -547,7 +553,7 @@ class _Verification:
     def _marker(self, folder: Folder) -> None:
         """The marker names the world size; each rank's training-state file must exist."""
         try:
-            marker = json.loads(self.fs.cat_file(_fsio.join(self.root, COMMIT_MARKER)))
+            marker = json.loads(_fsio.read_all(self.fs, _fsio.join(self.root, COMMIT_MARKER)))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             self.problem(COMMIT_MARKER, None, f"{COMMIT_MARKER}: not valid JSON ({exc}); CheckpointManager cannot load this step's training state")
             return

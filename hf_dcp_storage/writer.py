@@ -54,7 +54,7 @@ from ._s3plan import S3Plan, plan_s3
 from ._slabs import as_bytes, slab_bounds, sub_chunk
 from ._placed import PlacedChunks, place_chunks, place_items
 from ._spread import GatherTask, GatherTasks, MergeTask, assign, merge_tasks
-from ._staging import SAVE_RECORD, ItemRecord, RankRecord, SaveRecord, rank_record_name
+from ._staging import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, ItemRecord, RankRecord, SaveRecord, rank_record_name
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
 
@@ -181,6 +181,11 @@ class HFStorageWriter(StorageWriter):
             filesystem supports them (local disk). ``False`` forces the staged path.
         retry: how transient failures of remote requests are retried (S3); default
             ``RetryPolicy()``. Permanent failures (access denied, missing bucket) are not retried.
+        rank_timeout: on object stores, where the ranks wait for each other after staging
+            (step 3), how many seconds a rank may stay silent (its process dead or hung) before
+            the others stop waiting and fail the save, naming it. Every live rank signals every
+            ``rank_timeout / 10`` s (at most 5 s) while it writes, so a slow rank is never cut
+            off. Default 120 s (the store's own timeout, 30 min, would apply otherwise).
 
     After a save to an object store, the coordinator's ``merge_stats`` tells how many bytes of
     the consolidated files the ranks sent as their own parts, how many were staged and gathered
@@ -201,6 +206,7 @@ class HFStorageWriter(StorageWriter):
         thread_count: int = 4,
         direct_write: bool | None = None,
         retry: RetryPolicy | None = None,
+        rank_timeout: float = _arrival.DEFAULT_RANK_TIMEOUT,
     ) -> None:
         super().__init__()
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -216,6 +222,7 @@ class HFStorageWriter(StorageWriter):
         self.thread_count = thread_count
         self.direct_write = direct_write
         self.retry = retry or RetryPolicy()
+        self.rank_timeout = _arrival.check_rank_timeout(rank_timeout)
         self._s3 = None
         # Made on first need and kept across saves: pinned memory is slow to allocate.
         self._host: HostBuffers | None = None
@@ -253,6 +260,8 @@ class HFStorageWriter(StorageWriter):
         self._s3_parts: list[list[RankPart | GatherPart]] | None = None
         self._gathers: list[GatherTasks] = []  # S3: where every gathered part's bytes are staged (each rank's share)
         self._uploads: dict[int, str] = {}
+        # Files whose upload an interrupted save had completed already (``consolidate``).
+        self._completed: set[int] = set()
         # Compact plans: this rank's write items, kept here while DCP gathers only their
         # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.
         self._local: tuple[list[WriteItem], LocalChunks] | None = None
@@ -375,10 +384,16 @@ class HFStorageWriter(StorageWriter):
         self._gathers = s3.tasks if s3 is not None else []
         return layout, tables, tasks
 
-    def _adopt(self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None) -> None:
+    def _adopt(
+        self, layout: Layout, mode: str, plans: list[SavePlan], uploads: Mapping[int, str] | None = None,
+        save_id: str = "", completed: Collection[int] = (),
+    ) -> None:
         """(coordinator) Take ``layout`` and every rank's items as this save's plan, written in
         ``mode`` (``direct``, ``staged`` or ``s3``): what ``finish`` works from. No I/O. Also used to
-        finish an interrupted save from its records (``uploads``: the ids it created)."""
+        finish an interrupted save from its records (``uploads``: the ids it created; ``completed``:
+        the files whose upload it had completed already)."""
+        self._save_id = save_id
+        self._completed = set(completed)
         self._layout = layout
         self._direct = mode == "direct"
         self._items = {item.index: item for plan in plans for item in plan.items}
@@ -392,22 +407,28 @@ class HFStorageWriter(StorageWriter):
         """(all ranks) Write this rank's bytes: in place on local disk, else staged objects; then
         record what was written (the save's ``rank{r}.json``), so an interrupted save can be finished."""
         items, rank_plan = self._unpack_table(plan.storage_data)
+        meeting = _arrival.Meeting(rank_plan.save_id, rank_plan.rank, rank_plan.world, self.rank_timeout) if rank_plan.meet else None
         try:
-            results = self._write_own(items, rank_plan, planner)
-        except BaseException:
-            if rank_plan.meet:
-                # Arrive anyway, as failed: the others are waiting for every rank, and stop too.
-                with contextlib.suppress(Exception):
-                    _arrival.arrive(rank_plan.save_id, rank_plan.world, failed_rank=rank_plan.rank)
-            raise
-        if rank_plan.meet:
-            failed = _arrival.arrive_and_wait(rank_plan.save_id, rank_plan.world)
-            if failed:
-                shown = failed if len(failed) <= 16 else [*failed[:16], "..."]
-                raise RuntimeError(
-                    f"ranks {shown} of {rank_plan.world} failed to write their bytes (their errors tell why), so "
-                    f"rank {rank_plan.rank} gathers nothing and the save fails; the checkpoint at {self.checkpoint_id!s} is not committed"
-                )
+            if meeting is not None:
+                meeting.start()
+            try:
+                results = self._write_own(items, rank_plan, planner)
+            except BaseException:
+                if meeting is not None:
+                    # Arrive anyway, as failed: the others are waiting for every rank, and stop too.
+                    with contextlib.suppress(Exception):
+                        meeting.arrive_failed()
+                raise
+            failed = meeting.arrive_and_wait() if meeting is not None else []
+        finally:
+            if meeting is not None:
+                meeting.stop()
+        if failed:
+            shown = failed if len(failed) <= 16 else [*failed[:16], "..."]
+            raise RuntimeError(
+                f"ranks {shown} of {rank_plan.world} failed to write their bytes (their errors tell why), so "
+                f"rank {rank_plan.rank} gathers nothing and the save fails; the checkpoint at {self.checkpoint_id!s} is not committed"
+            )
         results = self._pack_results(items, results)
         if rank_plan.tasks:
             results.append(self._finish_tasks(rank_plan))
@@ -534,8 +555,20 @@ class HFStorageWriter(StorageWriter):
             metadata.state_dict_metadata.update(_whole_tensors(layout))
         self._put(_fsio.join(self.root, INDEX_NAME), _json_bytes(_index_json(layout, checksums)))
         # After the commit: until the index exists, the records are what can finish the save.
-        _fsio.remove_tree(self.fs, _fsio.join(self.root, STAGING_DIR))
+        staging = _fsio.join(self.root, STAGING_DIR)
+        try:
+            self._retried(lambda: _fsio.remove_tree(self.fs, staging), "remove the staging folder", staging)
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: a leftover is no failure
+            logger.warning(
+                "%s is committed, but its staging folder could not be removed (%s); `hf-dcp consolidate %s` "
+                "removes it (so does the next save to this path)", self.checkpoint_id, exc, self.checkpoint_id,
+            )
         self._owner = None
+
+    def _retried(self, fn: Callable[[], Any], operation: str, path: str) -> Any:
+        """``fn()`` under the retry policy (fsspec requests: s3fs retries neither a 500 nor a
+        reset); a permanent failure keeps its own error."""
+        return self.retry.call(fn, operation=operation, url=_fsio.url_of(self.fs, path), keep_permanent=True)
 
     def _host_buffers(self, tensor: torch.Tensor) -> HostBuffers:
         """(each rank) The host buffers of slabs that need a copy: two per I/O thread (one being
@@ -573,7 +606,7 @@ class HFStorageWriter(StorageWriter):
         # the listing of unfinished uploads runs beside it.
         with ThreadPoolExecutor(1) as pool:
             uploads = pool.submit(self._s3.list_uploads, root.rstrip("/") + "/") if self._s3 is not None else None
-            names = _fsio.list_tree(fs, root)
+            names = self._retried(lambda: _fsio.list_tree(fs, root), "list", root)
             orphans = uploads.result() if uploads is not None else []
         committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if n in names]
         if committed and not self.overwrite:
@@ -584,10 +617,10 @@ class HFStorageWriter(StorageWriter):
         # The index goes first: from here on the folder is an incomplete checkpoint, never a
         # complete one whose files are being rewritten underneath it.
         for name in committed:
-            _fsio.remove(fs, _fsio.join(root, name))
+            self._retried(lambda path=_fsio.join(root, name): _fsio.remove(fs, path), "remove", _fsio.join(root, name))
         keep = {f.name for f in layout.files}
-        stale = [n for n in names if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)]
-        _fsio.remove_many(fs, [_fsio.join(root, n) for n in stale])
+        stale = [_fsio.join(root, n) for n in names if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)]
+        self._retried(lambda: _fsio.remove_many(fs, stale), "remove leftovers under", root)
         if self._s3 is not None:
             # Uploads a killed save left unfinished under this path: invisible, but billed.
             s3, bucket = self._s3, root.split("/", 1)[0]
@@ -692,7 +725,7 @@ class HFStorageWriter(StorageWriter):
         uploads = dict(rank_plan.s3.uploads)
         where = _fsio.join(self.root, STAGING_DIR, SAVE_RECORD)
         try:
-            record = SaveRecord.decode(self.fs.cat_file(where), where)
+            record = SaveRecord.decode(self._retried(lambda: _fsio.read_all(self.fs, where), "read", where), where)
             if record.save_id == rank_plan.save_id:
                 uploads.update(record.uploads)
         except Exception as exc:  # noqa: BLE001 - the failure being handled is the one to report
@@ -800,9 +833,16 @@ class HFStorageWriter(StorageWriter):
             b, i = where[(f, part.number)]
             return gathers[b].task(i).sources()
 
+        # Before the first completion: a save that dies among them leaves completed objects and
+        # open uploads; this record tells ``hf-dcp consolidate`` which is which (and every
+        # part's ETag, so it gathers nothing again).
+        known = {layout.files[f].name: tuple(sorted(etags.get(f, []), key=lambda e: e["PartNumber"])) for f in sorted(self._uploads)}
+        self._put(_fsio.join(self.root, STAGING_DIR, COMPLETION_RECORD), CompletionRecord(self._save_id, known).encode())
         try:
             for f, plan in enumerate(layout.files):
-
+                if f in self._completed:
+                    self.merge_stats.add(plan.size, 0, 0)
+                    continue
                 complete_file(
                     self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, s3_parts[f],
                     etags.get(f, []), by_ranks.get(f, set()), functools.partial(sources, f), lambda rank, name=plan.name: self._staged_path(name, rank),

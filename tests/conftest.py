@@ -64,6 +64,14 @@ def s3_storage_options(endpoint: str) -> dict:
     }
 
 
+def s3_user_options(endpoint: str) -> dict:
+    """``storage_options`` as a user passes them: keys and endpoint only, so fsspec's defaults
+    hold (one shared ``S3FileSystem`` per process, listings cache on). What the library is
+    handed in the tests: it must be right with the cache a real process has (the checks a
+    test makes itself use ``s3_storage_options``, which has none)."""
+    return {"anon": False, "key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}, "default_block_size": S3_BLOCK_SIZE}
+
+
 @pytest.fixture(scope="session", params=["moto", "radosgw"])
 def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
     """``http://127.0.0.1:<port>`` of a real S3 server on loopback, once per session per server.
@@ -113,12 +121,13 @@ def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture
 def s3(s3_endpoint: str) -> Iterator[tuple[str, dict]]:
-    """``("s3://<fresh bucket>", storage_options)``: an empty bucket of its own per test."""
+    """``("s3://<fresh bucket>", storage_options)``: an empty bucket of its own per test, and the
+    options a user would pass (``s3_user_options``)."""
     import s3fs
 
-    options = s3_storage_options(s3_endpoint)
+    options = s3_user_options(s3_endpoint)
     bucket = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
-    fs = s3fs.S3FileSystem(**options)
+    fs = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
     fs.mkdir(bucket)
     try:
         yield f"s3://{bucket}", options

@@ -1,0 +1,140 @@
+"""Moments of a save at which a kill test SIGKILLs the job (every rank) or one rank.
+
+``arm(moment, kind, rank)`` wraps one of the library's own functions in the calling rank's
+process so that, when the save reaches ``moment``, the rank that reaches it first SIGKILLs the
+whole job (``kind="job"``) or only itself (``kind="rank"``). Nothing of boto, s3fs or fsspec is
+touched: only ``hf_dcp_storage``'s functions, in a process that is about to die anyway.
+
+``MOMENTS`` is in the order a ``CheckpointManager.save`` reaches them; ``BARE_MOMENTS`` are the
+ones a bare ``dcp.save(storage_writer=HFStorageWriter(...))`` has.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from _jobs import kill_job, kill_self
+
+__all__ = ["MOMENTS", "BARE_MOMENTS", "STAGED_ONLY", "S3_ONLY", "arm"]
+
+MOMENTS = (
+    "planning",  # the coordinator plans the weights' save; nothing written yet
+    "record-written",  # the save record (and on S3 the multipart uploads) exist; no data yet
+    "early-write",  # a rank has written its first slab of weights
+    "late-write",  # a rank's weights are all written, its record not yet
+    "finishing",  # a rank gathers or merges staged bytes (object stores only)
+    "completing",  # S3: the coordinator has completed the first file's multipart upload, not the rest
+    "before-index",  # the coordinator is about to write the weights' index
+    "index-written",  # the weights are committed (index), their staging folder not yet removed
+    "training-state",  # the training state's bytes are written, its record not yet
+    "before-commit",  # everything is written; the step's COMMITTED marker is not
+    "pruning",  # the step is committed; retention has removed an old step's marker, not its files
+)
+BARE_MOMENTS = MOMENTS[:8]
+# Moments that only a save with staged bytes reaches (stores without positioned writes), and
+# those only a save to S3 reaches.
+STAGED_ONLY = frozenset({"finishing"})
+S3_ONLY = frozenset({"completing"})
+
+
+def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
+    """Make this rank die at ``moment`` of the next save (``step``: the step a manager saves)."""
+    if moment not in MOMENTS:
+        raise ValueError(f"moment={moment!r} is not one of {MOMENTS}")
+    import hf_dcp_storage.manager as manager
+    import hf_dcp_storage.writer as writer
+
+    die = kill_job if kind == "job" else kill_self
+    W = writer.HFStorageWriter
+
+    def first_one() -> bool:
+        # Only the first rank to get here dies (several may reach the moment at once).
+        try:
+            fd = os.open(os.path.join(os.environ["HF_DCP_TEST_JOB_DIR"], "fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        return True
+
+    def before(owner: Any, name: str, when: Callable[..., bool]) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if when(*args, **kwargs) and first_one():
+                die()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    def weights(w: Any) -> bool:
+        return not str(w.checkpoint_id).rstrip("/").endswith("training_state")
+
+    if moment == "planning":
+        before(W, "prepare_global_plan", lambda w, plans: weights(w))
+    elif moment == "record-written":
+        original = W.prepare_global_plan
+
+        def planned(w: Any, plans: Any) -> Any:
+            out = original(w, plans)
+            if weights(w) and first_one():
+                die()
+            return out
+
+        W.prepare_global_plan = planned
+    elif moment == "early-write":
+        slabs = writer._item_slabs
+
+        def first_slab_then_die(item: Any, planner: Any, host: Any) -> Any:
+            it = slabs(item, planner, host)
+            yield next(it)  # the caller writes it before asking for more
+            if rank == 1 and first_one():
+                die()
+            yield from it
+
+        writer._item_slabs = first_slab_then_die
+    elif moment == "late-write":
+        before(W, "_put", lambda w, path, data: rank == 1 and weights(w) and _is_rank_record(path))
+    elif moment == "finishing":
+        before(W, "_finish_tasks", lambda w, plan: weights(w))
+    elif moment == "completing":
+        complete_file = writer.complete_file
+
+        def first_file_then_die(*args: Any, **kwargs: Any) -> None:
+            complete_file(*args, **kwargs)
+            if "training_state" not in args[1] and first_one():
+                die()
+
+        writer.complete_file = first_file_then_die
+    elif moment == "before-index":
+        before(W, "_checksums", lambda w, layout, results: weights(w))
+    elif moment == "index-written":
+        import hf_dcp_storage._fsio as fsio
+
+        before(fsio, "remove_tree", lambda fs, path: path.rstrip("/").endswith(writer.STAGING_DIR) and "training_state" not in path)
+    elif moment == "training-state":
+        before(W, "_put", lambda w, path, data: rank == 1 and not weights(w) and _is_rank_record(path))
+    elif moment == "before-commit":
+        before(manager.CheckpointManager, "_commit", lambda m, s: True)
+    elif moment == "pruning":
+        remove_step = manager.remove_step
+
+        def marker_then_die(fs: Any, root: str, s: int) -> None:
+            if step is not None and s < step and first_one():
+                from hf_dcp_storage import _fsio
+                from hf_dcp_storage._steps import COMMIT_MARKER, step_name
+
+                _fsio.remove(fs, _fsio.join(root, step_name(s), COMMIT_MARKER))
+                die()
+            remove_step(fs, root, s)
+
+        manager.remove_step = marker_then_die
+
+
+def _is_rank_record(path: str) -> bool:
+    """The path of a rank's record of a save (``.hf_dcp_staging/rankNNNNN.json``)."""
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith("rank") and name.endswith(".json") and "/.hf_dcp_staging/" in path

@@ -1,0 +1,118 @@
+"""Kill tests: SIGKILL of the whole job or of one rank at moments spread over a save.
+
+The chain of jobs and every check live in ``_killchain.py`` (shared with
+``scripts/kill_matrix.py``, which runs the full matrix and writes the results file). Here: every
+moment with the whole job killed, and the moments where one rank dies alone that differ most
+(the coordinator while planning, a rank mid-write, a rank before the ranks meet, the
+coordinator while pruning), on local disk and S3; and a bare writer save followed by
+``hf-dcp consolidate``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from _jobs import run_job
+from _killchain import bare_kill, kill_chain, moments_for, open_uploads, summary
+from _killpoints import MOMENTS, arm
+
+pytestmark = pytest.mark.distributed
+
+# The suite's share of the matrix (scripts/kill_matrix.py runs every moment x kind x store, and
+# radosgw): every moment with the whole job killed on local disk; on S3 (moto) the moments where
+# S3 differs (open uploads, gathering, completing, the commit, pruning); one rank alone where
+# the survivors' path differs most (the coordinator while planning, a rank mid-write, before
+# the ranks meet, the coordinator while pruning).
+_S3_JOB = ("record-written", "finishing", "completing", "index-written", "before-commit", "pruning")
+_LOCAL_RANK = ("planning", "early-write", "late-write", "pruning")
+_S3_RANK = ("finishing",)
+_BARE = ("early-write", "finishing", "before-index", "index-written")
+moto_only = pytest.mark.parametrize("s3_endpoint", ["moto"], indirect=True)
+
+
+def _run(kind: str, moments: tuple[str, ...], url: str, options: dict | None, scratch: str) -> None:
+    outcomes = kill_chain(url, options, moments_for(url, moments), kind, scratch)
+    assert [o.moment for o in outcomes] == list(moments_for(url, moments))
+    assert all(o.survived for o in outcomes), summary(outcomes)
+
+
+@pytest.mark.parametrize("kind, moments", [("job", MOMENTS), ("rank", _LOCAL_RANK)], ids=["whole-job", "one-rank"])
+def test_kills_on_local_disk(tmp_path, kind: str, moments: tuple[str, ...]) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    _run(kind, moments, str(tmp_path / "run"), None, str(scratch))
+
+
+@moto_only
+@pytest.mark.parametrize("kind, moments", [("job", _S3_JOB), ("rank", _S3_RANK)], ids=["whole-job", "one-rank"])
+def test_kills_on_s3(s3, tmp_path, kind: str, moments: tuple[str, ...]) -> None:
+    bucket, options = s3
+    _run(kind, moments, f"{bucket}/run-{uuid.uuid4().hex[:8]}", options, str(tmp_path))
+
+
+@moto_only
+@pytest.mark.parametrize("moment", _BARE)
+def test_a_killed_bare_save_is_consolidated_or_refused_then_saved_again(s3, moment: str) -> None:
+    bucket, options = s3
+    outcome = bare_kill(f"{bucket}/bare-{uuid.uuid4().hex[:8]}", options, moment, "job")
+    assert outcome.survived, summary([outcome])
+
+
+def _two_big_files(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(4096, 768, generator=g), "b": torch.randn(4096, 768, generator=g)}
+
+
+def _save_two_files(rank: int, world: int, url: str, options: dict, seed: int, kill: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_dcp_storage import HFStorageWriter
+
+    if kill:
+        arm("completing", "job", rank)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in _two_big_files(seed).items()}
+    dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size="8MB", overwrite=True))
+
+
+@moto_only
+@pytest.mark.parametrize("lost", [False, True], ids=["finished", "an-upload-lost"])
+def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_taken_for_it(s3, lost: bool) -> None:
+    # The path holds an older checkpoint with the same layout (same file names and sizes); the
+    # new save dies after completing its first file's upload, its second still open.
+    import s3fs
+    import torch.distributed.checkpoint as dcp
+
+    from hf_dcp_storage import HFStorageReader, consolidate_checkpoint
+    from hf_dcp_storage._layout import INDEX_NAME
+
+    bucket, options = s3
+    url = f"{bucket}/two-{uuid.uuid4().hex[:8]}"
+    run_job(_save_two_files, 2, url, options, 1, False).check_returned()
+    assert run_job(_save_two_files, 2, url, options, 2, True).how() == ["killed", "killed"]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    uploads = open_uploads(url, options)
+    assert len(uploads) == 1 and not fs.exists(f"{url}/{INDEX_NAME}"), uploads
+    if lost:
+        # A lifecycle rule (or a later save) aborted the open upload: the old object of that
+        # name, the same size, must not pass for the new save's file.
+        from hf_dcp_storage._retry import RetryPolicy
+        from hf_dcp_storage._s3 import s3_for
+
+        s3 = s3_for(fs, RetryPolicy())
+        for key, upload_id in s3.list_uploads(url.removeprefix("s3://") + "/"):
+            s3.abort_upload(f"{url.removeprefix('s3://').split('/')[0]}/{key}", upload_id)
+        with pytest.raises(ValueError, match=r"multipart uploads of \['model-00002-of-00002.safetensors'\] no longer exist"):
+            consolidate_checkpoint(url, storage_options=options)
+        assert not fs.exists(f"{url}/{INDEX_NAME}")
+        return
+    consolidate_checkpoint(url, storage_options=options)
+    dest = {k: torch.zeros_like(v) for k, v in _two_big_files(2).items()}
+    dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options, verify=True), no_dist=True)
+    assert all(torch.equal(dest[k], v) for k, v in _two_big_files(2).items())
+    assert open_uploads(url, options) == []
