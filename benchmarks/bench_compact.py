@@ -56,11 +56,11 @@ from bench_scale import _case_name, _fake_upload_id, _fmt_bytes, _parse_cases, _
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
-from hf_dcp_storage._fsio import STREAM_PART_BYTES  # noqa: E402
+from hf_dcp_storage.io.fsio import STREAM_PART_BYTES
 from hf_dcp_storage._layout import plan_layout  # noqa: E402
 from hf_dcp_storage._placed import place_chunks  # noqa: E402
 from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
-from hf_dcp_storage.writer import _PACKED, _json_bytes, _plan_tasks, _RankPlan, _whole_tensors, _WrittenRows, _index_json  # noqa: E402
+from hf_dcp_storage.writer import _PACKED, _index_bytes, _plan_tasks, _RankPlan, _whole_tensors, _WrittenRows  # noqa: E402
 from hf_dcp_storage.writer import _rank_plans as writer_rank_plans  # noqa: E402
 
 PHASES = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter", "results_gather", "checksums", "metadata", "index")
@@ -136,7 +136,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     writer._tables = (table_keys, table_of_rank)
     checksums = timed("checksums", lambda: writer._checksums(layout, results))
     timed("metadata", lambda: _whole_tensors(layout))
-    index = timed("index", lambda: _json_bytes(_index_json(layout, checksums)))
+    index = timed("index", lambda: _index_bytes(layout, checksums))
     out["coordinator_peak_mib"] = (_status_kib("VmHWM") - base) / 1024
     # The gather buffer: the simulation held the pickles before the baseline, a real coordinator receives them.
     out["coordinator_peak_with_buffer_mib"] = out["coordinator_peak_mib"] + out["gather_buffer_bytes"] / 2**20

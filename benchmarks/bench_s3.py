@@ -185,7 +185,7 @@ def col_get_count(spec, world: int, rank: int = 0) -> int:
     column runs of its rows joined into requests. Falls back to one GET per row if those
     helpers are not importable."""
     try:
-        from hf_dcp_storage._slabs import slab_bounds
+        from hf_dcp_storage.io.slabs import slab_bounds
         from hf_dcp_storage.reader import coalesce
     except ImportError:
         return sum(s[0] if len(s) >= 2 else 1 for _, s in spec)

@@ -77,13 +77,14 @@ sys.path.insert(0, str(HERE))
 from _synthetic_plans import LLAMA, LlamaConfig, Mesh, count_runs, llama_shapes, rank_load_state_dict, rank_save_plan  # noqa: E402
 
 from hf_dcp_storage import HFLoadPlanner, HFStorageReader, HFStorageWriter  # noqa: E402
-from hf_dcp_storage._hfindex import recorded_headers  # noqa: E402
-from hf_dcp_storage._fsio import STREAM_PART_BYTES  # noqa: E402
-from hf_dcp_storage._layout import INDEX_NAME, Layout, collect_tensor_specs, element_size, place_items, plan_layout  # noqa: E402
+from hf_dcp_storage.format.index import recorded_headers
+from hf_dcp_storage.io.fsio import STREAM_PART_BYTES
+from hf_dcp_storage.format.index import INDEX_NAME
+from hf_dcp_storage._layout import Layout, collect_tensor_specs, element_size, place_items, plan_layout
 from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
-from hf_dcp_storage._staging import SaveRecord  # noqa: E402
+from hf_dcp_storage.io.records import SaveRecord
 from hf_dcp_storage._placed import place_items as place_written  # noqa: E402
-from hf_dcp_storage.writer import _index_json, _json_bytes, _plan_tasks, _rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.writer import _index_bytes, _plan_tasks, _rank_plans as writer_rank_plans  # noqa: E402
 
 __all__ = ["OurPlan", "plan_ours", "dcp_global_plan", "dcp_validate", "validate_comparisons", "calibrate_validate", "bytes_per_rank", "s3_requests", "main"]
 
@@ -389,7 +390,7 @@ def _write_sparse_checkpoint(layout: Layout, folder: Path) -> dict[str, int]:
         with open(folder / f.name, "wb") as out:
             out.write(f.header)
             out.truncate(f.size)
-    raw = _json_bytes(_index_json(layout, dict.fromkeys(layout.weight_map, 0)))
+    raw = _index_bytes(layout, dict.fromkeys(layout.weight_map, 0))
     (folder / INDEX_NAME).write_bytes(raw)
     return {"index_bytes": len(raw), "headers_bytes": sum(len(f.header) for f in layout.files), "files": len(layout.files)}
 

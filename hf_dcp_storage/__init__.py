@@ -23,7 +23,7 @@ _EXPORTS = {
     "HFStorageReader": "reader",
     "HFSavePlanner": "planner",
     "HFLoadPlanner": "planner",
-    "RetryPolicy": "_retry",
+    "RetryPolicy": "io.retry",
     "CheckpointManager": "manager",
     "inspect_checkpoint": "inspection",
     "verify_checkpoint": "verify",
@@ -50,10 +50,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._retry import RetryPolicy
     from .consolidate import consolidate_checkpoint
     from .convert import convert_dcp_to_hf, convert_hf_to_dcp
     from .inspection import inspect_checkpoint
+    from .io.retry import RetryPolicy
     from .manager import CheckpointManager
     from .planner import HFLoadPlanner, HFSavePlanner
     from .reader import HFStorageReader

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-from ._header import NAME_TO_DTYPE, dtype_name
 from ._layout import Layout, TensorSpec
 from ._packed import packed_array
+from .format.header import NAME_TO_DTYPE, dtype_name
 
 __all__ = ["LocalChunks", "GlobalChunks", "Dedup", "TablePlan", "encode_local", "gather", "check_and_dedup", "table_plans", "xor_shares"]
 

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
-from ._header import TensorEntry, dtype_name, encode_header
+from .format.header import TensorEntry, dtype_name, encode_header
 
 __all__ = [
     "INDEX_NAME",

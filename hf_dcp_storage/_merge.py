@@ -17,8 +17,8 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from . import _fsio
 from ._layout import chunk_runs
+from .io import fsio
 
 __all__ = ["StagedPiece", "merge_segments", "merge_file", "COPY_BYTES"]
 
@@ -95,7 +95,7 @@ def merge_file(
     block = max(_MIN_BLOCK, min(COPY_BYTES, _READ_BLOCKS_BUDGET // max(1, len({p.path for p in pieces}))))
     readers: dict[str, Any] = {}
     # write_stream publishes nothing if the merge fails: no truncated shard is left behind.
-    with contextlib.ExitStack() as stack, _fsio.write_stream(fs, out_path, size) as out:
+    with contextlib.ExitStack() as stack, fsio.write_stream(fs, out_path, size) as out:
         out.write(header)
         pos = len(header)
         for off, path, soff, n in merge_segments(pieces):
@@ -103,7 +103,7 @@ def merge_file(
                 raise RuntimeError(f"{out_path}: staged data jumps from byte {pos} to {off}; the save is inconsistent")
             src = readers.get(path)
             if src is None:
-                src = readers[path] = stack.enter_context(_fsio.open_read(source_fs, path, block))
+                src = readers[path] = stack.enter_context(fsio.open_read(source_fs, path, block))
             src.seek(soff)
             left = n
             while left:
@@ -117,6 +117,6 @@ def merge_file(
             pos += n
         if pos != size:
             raise RuntimeError(f"{out_path}: merged {pos} bytes but the layout has {size}")
-        if _fsio.is_local(fs):
+        if fsio.is_local(fs):
             out.flush()
             os.fsync(out.fileno())

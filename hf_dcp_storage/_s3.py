@@ -1,9 +1,9 @@
 """S3 requests the data path makes itself: multipart uploads, their parts, ranged GETs.
 
 Used only when the fsspec filesystem is s3fs; every other store goes through the generic
-fsspec path in ``_fsio``. The requests go to s3fs's own botocore client (so credentials,
+fsspec path in ``io/fsio.py``. The requests go to s3fs's own botocore client (so credentials,
 endpoint, region and ``s3_additional_kwargs`` such as server-side encryption are the user's),
-but each one is retried by this library's :class:`~._retry.RetryPolicy`, which knows which
+but each one is retried by this library's :class:`~.io.retry.RetryPolicy`, which knows which
 failures are transient, and fails with a message naming the operation and the object.
 
 Consolidation costs almost nothing here: every consolidated file is one multipart upload
@@ -30,10 +30,10 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
-from ._parallel import parallel_map
-from ._retry import RetryPolicy
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart
 from ._spread import Source
+from .io.parallel import parallel_map
+from .io.retry import RetryPolicy
 
 __all__ = ["S3", "s3_for", "abort_uploads_under", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file", "gather_bytes"]
 

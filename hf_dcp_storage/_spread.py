@@ -8,7 +8,7 @@ left to the coordinator it is the failure seen elsewhere, one process moving the
 checkpoint while the others idle. Here the coordinator hands each piece of that work (a task)
 to one rank: largest task first, to the rank with the fewest bytes so far, counting the bytes
 each rank already uploads of its own. Every rank does its tasks at the end of ``write_data``,
-after all ranks have staged (``_arrival.py``). Pure planning: no I/O.
+after all ranks have staged (``io/meeting.py``). Pure planning: no I/O.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import numpy as np
 
 from ._layout import Layout, chunk_runs_array, element_size
 from ._merge import StagedPiece
-from ._parallel import parallel_map
 from ._placed import PlacedChunks
+from .io.parallel import parallel_map
 
 __all__ = ["GatherTask", "GatherTasks", "MergeTask", "Source", "assign", "pack_columns", "unpack_columns", "merge_tasks", "file_tensors"]
 

@@ -351,10 +351,10 @@ def _progress(args: argparse.Namespace) -> _Bar | _Quiet:
 
 def _source_format(src: str, options: dict[str, Any]) -> str:
     """``dcp`` when SRC has DCP's ``.metadata``, else ``hf`` (convert checks the rest)."""
-    from . import _fsio
+    from .io import fsio
 
-    fs, root = _fsio.resolve(src, options)
-    return "dcp" if _fsio.exists(fs, _fsio.join(root, ".metadata")) else "hf"
+    fs, root = fsio.resolve(src, options)
+    return "dcp" if fsio.exists(fs, fsio.join(root, ".metadata")) else "hf"
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,7 +1,7 @@
 """Finish a save that stopped after its ranks wrote their bytes but before the index was written.
 
 Every save by ``HFStorageWriter`` keeps a record of itself in ``.hf_dcp_staging/``
-(``_staging.py``): the coordinator's plan, and one record per rank written once that rank's
+(``io/records.py``): the coordinator's plan, and one record per rank written once that rank's
 bytes are durable. If the coordinator dies, or its ``finish`` fails, before the index is written,
 those records are all it takes to do ``finish`` again later, from any machine: merge the staged
 objects, complete the S3 multipart uploads, or (local disk, where the bytes are already in
@@ -17,17 +17,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import _fsio
-from ._layout import INDEX_NAME, Layout
-from ._parallel import parallel_map
+from ._layout import Layout
 from ._progress import NO_PROGRESS, Progress
-from ._retry import RetryPolicy
 from ._s3 import multipart_etag
-from ._staging import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, RankRecord, SaveRecord, layout_from_files, rank_record_name
+from .format.index import INDEX_NAME
+from .io import fsio
+from .io.parallel import parallel_map
+from .io.records import (
+    COMPLETION_RECORD,
+    SAVE_RECORD,
+    CompletionRecord,
+    RankRecord,
+    SaveRecord,
+    layout_from_files,
+    rank_record_name,
+)
+from .io.retry import RetryPolicy
 from .writer import _FINISHED, STAGING_DIR, HFStorageWriter, _Finished, _Written
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
@@ -84,17 +102,17 @@ def consolidate_checkpoint(
     """
     started = time.monotonic()
     progress = progress or NO_PROGRESS
-    fs, root = _fsio.resolve(src, storage_options)
-    url = _fsio.url_of(fs, root)
-    staging = _fsio.join(root, STAGING_DIR)
-    names = _fsio.list_tree(fs, staging)
-    committed = _fsio.exists(fs, _fsio.join(root, INDEX_NAME))
-    in_place = dst is None or _same_place(fs, root, *_fsio.resolve(dst, storage_options))
+    fs, root = fsio.resolve(src, storage_options)
+    url = fsio.url_of(fs, root)
+    staging = fsio.join(root, STAGING_DIR)
+    names = fsio.list_tree(fs, staging)
+    committed = fsio.exists(fs, fsio.join(root, INDEX_NAME))
+    in_place = dst is None or _same_place(fs, root, *fsio.resolve(dst, storage_options))
     if committed:
         if not in_place:
             raise ValueError(f"{url} is already a complete checkpoint (it has {INDEX_NAME}); nothing to consolidate: copy it to {dst} with your usual tools")
         # The index exists: the save was committed and died while clearing its staging folder.
-        _fsio.remove_tree(fs, staging)
+        fsio.remove_tree(fs, staging)
         return ConsolidateReport(url, "none", (), 0, 0, 0, True, time.monotonic() - started)
     if SAVE_RECORD not in names:
         raise FileNotFoundError(
@@ -128,7 +146,7 @@ def consolidate_checkpoint(
         if record.mode == "direct":
             # The files are complete where they are: copy them, then commit at the destination.
             progress.start(sum(f.size for f in layout.files), "copying")
-            parallel_map(lambda f: _copy(fs, _fsio.join(root, f.name), writer.fs, _fsio.join(writer.root, f.name), f.size, progress), layout.files, thread_count)
+            parallel_map(lambda f: _copy(fs, fsio.join(root, f.name), writer.fs, fsio.join(writer.root, f.name), f.size, progress), layout.files, thread_count)
             moved = sum(f.size for f in layout.files)
     writer._adopt(layout, record.mode, plans, record.uploads, record.save_id, completed)
     if record.mode == "staged":
@@ -136,7 +154,7 @@ def consolidate_checkpoint(
     writer.finish(None, results)  # type: ignore[arg-type]  # finish does not read the metadata
     moved += writer.merge_stats.coordinator_bytes
     return ConsolidateReport(
-        _fsio.url_of(writer.fs, writer.root), record.mode, layout.names, len(layout.specs),
+        fsio.url_of(writer.fs, writer.root), record.mode, layout.names, len(layout.specs),
         layout.total_size, moved, False, time.monotonic() - started,
     )
 
@@ -144,7 +162,7 @@ def consolidate_checkpoint(
 def _read_records(fs: Any, staging: str, names: set[str], url: str) -> tuple[SaveRecord, list[RankRecord]]:
     """The save record and every rank's record; refuses a save a rank did not finish."""
     where = f"{url}/{STAGING_DIR}"
-    record = SaveRecord.decode(_fsio.read_all(fs, _fsio.join(staging, SAVE_RECORD)), f"{where}/{SAVE_RECORD}")
+    record = SaveRecord.decode(fsio.read_all(fs, fsio.join(staging, SAVE_RECORD)), f"{where}/{SAVE_RECORD}")
     missing = [r for r in range(record.world_size) if rank_record_name(r) not in names]
     if missing:
         shown = missing if len(missing) <= 16 else [*missing[:16], "..."]
@@ -152,7 +170,7 @@ def _read_records(fs: Any, staging: str, names: set[str], url: str) -> tuple[Sav
             f"{url}: ranks {shown} of {record.world_size} never finished writing (no {STAGING_DIR}/rankNNNNN.json), "
             f"so the save's data is incomplete and cannot be consolidated; save the checkpoint again"
         )
-    raws = parallel_map(lambda r: _fsio.read_all(fs, _fsio.join(staging, rank_record_name(r))), range(record.world_size), 8)
+    raws = parallel_map(lambda r: fsio.read_all(fs, fsio.join(staging, rank_record_name(r))), range(record.world_size), 8)
     ranks = [RankRecord.decode(raw, f"{where}/{rank_record_name(r)}") for r, raw in enumerate(raws)]
     for r, rank in enumerate(ranks):
         if rank.save_id != record.save_id or rank.rank != r:
@@ -199,7 +217,7 @@ def _read_completion(fs: Any, staging: str, names: set[str], record: SaveRecord,
     if COMPLETION_RECORD not in names:
         return None
     where = f"{url}/{STAGING_DIR}/{COMPLETION_RECORD}"
-    completion = CompletionRecord.decode(_fsio.read_all(fs, _fsio.join(staging, COMPLETION_RECORD)), where)
+    completion = CompletionRecord.decode(fsio.read_all(fs, fsio.join(staging, COMPLETION_RECORD)), where)
     return completion if completion.save_id == record.save_id else None
 
 
@@ -219,14 +237,14 @@ def _check_uploads(writer: HFStorageWriter, record: SaveRecord, layout: Layout, 
             continue
         plan = layout.files[f]
         parts = completion.parts.get(plan.name) if completion is not None else None
-        head = s3.head(_fsio.join(writer.root, plan.name)) if parts else None
+        head = s3.head(fsio.join(writer.root, plan.name)) if parts else None
         if head is not None and head == (plan.size, multipart_etag(parts)):
             completed.add(f)
         else:
             gone.append(plan.name)
     if gone:
         raise ValueError(
-            f"{_fsio.url_of(writer.fs, writer.root)}: the save's multipart uploads of {gone} no longer exist (aborted by the "
+            f"{fsio.url_of(writer.fs, writer.root)}: the save's multipart uploads of {gone} no longer exist (aborted by the "
             f"failing save itself, by a later save to this path, or by a bucket lifecycle rule), so their bytes are gone; "
             f"save the checkpoint again"
         )
@@ -248,7 +266,7 @@ def _with_gathered_parts(results: list[list[WriteResult]], layout: Layout, compl
 
 def _copy(src_fs: Any, src: str, dst_fs: Any, dst: str, size: int, progress: Progress) -> None:
     """Stream one file to another store, 8 MiB at a time; the destination appears only when whole."""
-    with _fsio.open_read(src_fs, src, _COPY_BYTES) as f, _fsio.write_stream(dst_fs, dst, size) as out:
+    with fsio.open_read(src_fs, src, _COPY_BYTES) as f, fsio.write_stream(dst_fs, dst, size) as out:
         while block := f.read(_COPY_BYTES):
             out.write(block)
             progress.advance(len(block))
@@ -262,7 +280,7 @@ def _check_files(fs: Any, root: str, layout: Layout, url: str) -> None:
     """Refuse to commit files written in place that are missing or of the wrong size."""
     for f in layout.files:
         try:
-            size = _fsio.size(fs, _fsio.join(root, f.name))
+            size = fsio.size(fs, fsio.join(root, f.name))
         except FileNotFoundError:
             size = None
         if size != f.size:

@@ -52,13 +52,18 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import (
+    StorageReader,
+    StorageWriter,
+    WriteResult,
+)
 
-from . import _fsio
-from ._header import DTYPE_TO_NAME
-from ._layout import INDEX_NAME, SINGLE_FILE_NAME, element_size
-from ._parallel import parallel_map
+from ._layout import element_size
 from ._progress import NO_PROGRESS, Progress
+from .format.header import DTYPE_TO_NAME
+from .format.index import INDEX_NAME, SINGLE_FILE_NAME
+from .io import fsio
+from .io.parallel import parallel_map
 from .keymap import KeyMapping, KeyMappingError, Renaming, load_key_mapping
 from .reader import HFStorageReader
 from .writer import HFStorageWriter
@@ -200,10 +205,10 @@ def _save_with(
 
 def _refuse_existing(fs: AbstractFileSystem, root: str, markers: Sequence[str], what: str) -> None:
     """Raise if ``root`` holds a complete checkpoint (one of its commit ``markers``)."""
-    found = [m for m in markers if _fsio.exists(fs, _fsio.join(root, m))]
+    found = [m for m in markers if fsio.exists(fs, fsio.join(root, m))]
     if found:
         raise FileExistsError(
-            f"{_fsio.url_of(fs, root)} already holds {what} ({', '.join(found)}); pass overwrite=True to "
+            f"{fsio.url_of(fs, root)} already holds {what} ({', '.join(found)}); pass overwrite=True to "
             f"replace it, or convert to a new path"
         )
 
@@ -364,13 +369,13 @@ def _open_dcp(src: str | os.PathLike[str], storage_options: dict[str, Any] | Non
         FileNotFoundError: no ``.metadata`` (the message says what the folder holds instead).
         ValueError: a ``.metadata`` that cannot be unpickled, or not one of DCP's file format.
     """
-    fs, root = _fsio.resolve(src, storage_options)
-    where = _fsio.url_of(fs, root)
-    if not _fsio.exists(fs, _fsio.join(root, DCP_METADATA_NAME)):
+    fs, root = fsio.resolve(src, storage_options)
+    where = fsio.url_of(fs, root)
+    if not fsio.exists(fs, fsio.join(root, DCP_METADATA_NAME)):
         raise FileNotFoundError(f"{where} is not a DCP checkpoint: {_describe_non_dcp(fs, root)}")
     # FileSystemReader takes a plain path (it would mangle file://); anything else goes through fsspec.
     reader: StorageReader
-    if _fsio.is_local(fs):
+    if fsio.is_local(fs):
         reader = FileSystemReader(root)
     else:
         reader = FsspecReader(os.fspath(src), **(storage_options or {}))
@@ -398,7 +403,7 @@ def _check_data_files(source: _DcpSource, chunks: Iterable[_StoredChunk]) -> Non
     """Every ``.distcp`` file holding a chunk to convert exists (one listing of the folder)."""
     storage = source.metadata.storage_data
     needed = {getattr(storage[MetadataIndex(c.fqn, c.chunk.offsets)], "relative_path", None) for c in chunks}
-    missing = sorted(n for n in needed - set(_fsio.list_names(source.fs, source.root)) if n is not None)
+    missing = sorted(n for n in needed - set(fsio.list_names(source.fs, source.root)) if n is not None)
     if missing:
         raise FileNotFoundError(
             f"{source.url}: the .metadata places chunks in {missing[:5]}{' and more' if len(missing) > 5 else ''}, "
@@ -408,7 +413,7 @@ def _check_data_files(source: _DcpSource, chunks: Iterable[_StoredChunk]) -> Non
 
 def _describe_non_dcp(fs: AbstractFileSystem, root: str) -> str:
     """What ``root`` holds instead of a DCP checkpoint, and what to pass instead."""
-    names = sorted(_fsio.list_names(fs, root))
+    names = sorted(fsio.list_names(fs, root))
     if not names:
         return "the folder does not exist or is empty; pass the folder dcp.save wrote (the one holding .metadata)"
     if INDEX_NAME in names or SINGLE_FILE_NAME in names:
@@ -510,7 +515,7 @@ def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
 
 def _committed_hf_files(writer: HFStorageWriter) -> tuple[str, ...]:
     """The data files the committed index names, then the index."""
-    index = json.loads(_fsio.read_all(writer.fs, _fsio.join(writer.root, INDEX_NAME)))
+    index = json.loads(fsio.read_all(writer.fs, fsio.join(writer.root, INDEX_NAME)))
     return (*sorted(set(index["weight_map"].values())), INDEX_NAME)
 
 
@@ -600,7 +605,7 @@ def convert_hf_to_dcp(
     cast_dtype = parse_dtype(dtype)
     if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
         raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
-    fs, root = _fsio.resolve(dst, storage_options)
+    fs, root = fsio.resolve(dst, storage_options)
     _check_bucket(fs, root)
     if not overwrite:
         _refuse_existing(fs, root, (DCP_METADATA_NAME,), "a DCP checkpoint")
@@ -608,7 +613,7 @@ def convert_hf_to_dcp(
     source = _open_hf(src, storage_options, thread_count)
     renaming = mapping.apply(source.storage_metadata)
     if not renaming.targets:
-        raise ValueError(f"{_fsio.url_of(source.fs, source.root)}: nothing to convert: key_mapping drops every tensor")
+        raise ValueError(f"{fsio.url_of(source.fs, source.root)}: nothing to convert: key_mapping drops every tensor")
     # Step 2: the plan: row slabs of every kept tensor packed into files, and the DCP metadata
     # that lists the slabs as chunks.
     items, state = _slab_items(source.storage_metadata, renaming, cast_dtype)
@@ -669,9 +674,9 @@ def _open_hf(src: str | os.PathLike[str], storage_options: dict[str, Any] | None
     try:
         metadata = reader.read_metadata()
     except FileNotFoundError:
-        if _fsio.exists(reader.fs, _fsio.join(reader.root, DCP_METADATA_NAME)):
+        if fsio.exists(reader.fs, fsio.join(reader.root, DCP_METADATA_NAME)):
             raise FileNotFoundError(
-                f"{_fsio.url_of(reader.fs, reader.root)} is a DCP checkpoint (it has {DCP_METADATA_NAME}), not a "
+                f"{fsio.url_of(reader.fs, reader.root)} is a DCP checkpoint (it has {DCP_METADATA_NAME}), not a "
                 f"Hugging Face one; convert it the other way with convert_dcp_to_hf"
             ) from None
         raise
@@ -719,15 +724,15 @@ def _check_bucket(fs: AbstractFileSystem, root: str) -> None:
     if "s3" not in protocols:
         return
     bucket = root.split("/", 1)[0]
-    if not _fsio.exists(fs, bucket):
+    if not fsio.exists(fs, bucket):
         raise FileNotFoundError(f"s3://{bucket} does not exist; create the bucket first (it is never created for you)")
 
 
 def _uncommit_dcp(fs: AbstractFileSystem, root: str) -> None:
     """Remove a DCP checkpoint's ``.metadata`` (its commit marker) first, then its data files."""
-    _fsio.remove(fs, _fsio.join(root, DCP_METADATA_NAME))
-    stale = [n for n in _fsio.list_names(fs, root) if _DISTCP_RE.match(n) or n == DCP_METADATA_NAME + ".tmp"]
-    _fsio.remove_many(fs, [_fsio.join(root, n) for n in stale])
+    fsio.remove(fs, fsio.join(root, DCP_METADATA_NAME))
+    stale = [n for n in fsio.list_names(fs, root) if _DISTCP_RE.match(n) or n == DCP_METADATA_NAME + ".tmp"]
+    fsio.remove_many(fs, [fsio.join(root, n) for n in stale])
 
 
 def _dcp_writer(
@@ -739,7 +744,7 @@ def _dcp_writer(
     side). ``per_thread_copy_ahead=0``: no read-ahead of slabs, which is for GPU tensors and
     would only hold more in memory. ``overwrite=True``: our own check and un-commit already ran.
     """
-    if _fsio.is_local(fs):
+    if fsio.is_local(fs):
         return FileSystemWriter(
             root, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0, overwrite=True
         )

@@ -25,15 +25,29 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from . import _fsio
-from ._header import DTYPE_TO_NAME, HeaderError
-from ._hfindex import FileHeader, Folder, ReadRange, parse_index, read_bytes, read_header, read_index, scan_folder
-from ._layout import INDEX_NAME, SINGLE_FILE_NAME, element_size
-from ._parallel import parallel_map
-from ._staging import SAVE_RECORD, RecordError, SaveRecord, layout_from_files, rank_record_name
-from ._retry import RetryPolicy
+from ._layout import element_size
 from ._s3 import s3_for
 from ._steps import COMMIT_MARKER, parse_step
+from .format.header import DTYPE_TO_NAME, HeaderError
+from .format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index
+from .io import fsio
+from .io.files import (
+    Folder,
+    ReadRange,
+    read_bytes,
+    read_header,
+    read_index,
+    scan_folder,
+)
+from .io.parallel import parallel_map
+from .io.records import (
+    SAVE_RECORD,
+    RecordError,
+    SaveRecord,
+    layout_from_files,
+    rank_record_name,
+)
+from .io.retry import RetryPolicy
 from .manager import TRAINING_STATE_DIR
 from .writer import STAGING_DIR
 
@@ -222,7 +236,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, storage_options: dict[st
     else:
         files, tensors, notes = _inspect_incomplete(fs, root, folder, read_range, thread_count)
     return CheckpointInfo(
-        url=_fsio.url_of(fs, root),
+        url=fsio.url_of(fs, root),
         format=kind,
         committed=kind != FORMAT_INCOMPLETE,
         has_commit_marker=COMMIT_MARKER in folder.files,
@@ -249,11 +263,11 @@ def open_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any
             the remains of a save; the message says what it holds instead when that helps (a
             run folder's steps).
     """
-    fs, root = _fsio.resolve(path, storage_options)
-    url = _fsio.url_of(fs, root)
+    fs, root = fsio.resolve(path, storage_options)
+    url = fsio.url_of(fs, root)
     folder = scan_folder(fs, root)
     if folder is None:
-        what = "a file, not a checkpoint folder" if _fsio.isfile(fs, root) else "no such checkpoint folder"
+        what = "a file, not a checkpoint folder" if fsio.isfile(fs, root) else "no such checkpoint folder"
         raise FileNotFoundError(f"{url}: {what}; give the folder that holds {INDEX_NAME} (or {DCP_METADATA})")
     kind = _format_of(folder)
     if kind is None:
@@ -280,12 +294,12 @@ def dcp_metadata(fs: AbstractFileSystem, root: str, storage_options: dict[str, A
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    if _fsio.is_local(fs):
+    if fsio.is_local(fs):
         return FileSystemReader(root).read_metadata()
     # Not exported by torch.distributed.checkpoint, but the public class of its fsspec backend.
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(_fsio.url_of(fs, root), **(storage_options or {})).read_metadata()
+    return FsspecReader(fsio.url_of(fs, root), **(storage_options or {})).read_metadata()
 
 
 def range_reader(fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> ReadRange:
@@ -322,7 +336,7 @@ def _inspect_hf(fs: AbstractFileSystem, root: str, folder: Folder, read_range: R
         weight_map, checksums = None, None
         notes.append(f"a single {SINGLE_FILE_NAME} without an index (as save_pretrained writes); no checksums recorded")
     else:
-        index = parse_index(raw, _fsio.url_of(fs, _fsio.join(root, INDEX_NAME)))
+        index = parse_index(raw, fsio.url_of(fs, fsio.join(root, INDEX_NAME)))
         weight_map, checksums = index.weight_map, index.checksums
         files = sorted(set(weight_map.values()))
         if checksums is None:
@@ -334,7 +348,7 @@ def _inspect_hf(fs: AbstractFileSystem, root: str, folder: Folder, read_range: R
     for key, file in weight_map.items():
         entry = headers[file].by_name.get(key)
         if entry is None:
-            raise ValueError(f"{_fsio.url_of(fs, _fsio.join(root, file))}: the index maps {key!r} to this file, but its header has no such tensor")
+            raise ValueError(f"{fsio.url_of(fs, fsio.join(root, file))}: the index maps {key!r} to this file, but its header has no such tensor")
         crc = checksums.get(key) if checksums is not None else None
         tensors.append(_tensor_info(key, entry.dtype, entry.shape, entry.nbytes, file, crc))
     return [FileInfo(f, h.size, len(h.entries)) for f, h in headers.items()], tensors, notes
@@ -359,7 +373,7 @@ def _inspect_dcp(fs: AbstractFileSystem, root: str, folder: Folder, storage_opti
     files = []
     for name in sorted(keys_per_file):
         if name not in folder.files:
-            raise FileNotFoundError(f"{_fsio.url_of(fs, _fsio.join(root, name))}: file named by {DCP_METADATA} does not exist")
+            raise FileNotFoundError(f"{fsio.url_of(fs, fsio.join(root, name))}: file named by {DCP_METADATA} does not exist")
         files.append(FileInfo(name, folder.files[name], len(keys_per_file[name])))
     return files, tensors, ["PyTorch DCP format: no checksums recorded; tensors are stored in pieces, so no entry has one file"]
 
@@ -396,7 +410,7 @@ def _planned_save(fs: AbstractFileSystem, root: str, folder: Folder, record: str
     """An unfinished save described from its own record: the files and tensors it planned, and
     how many ranks recorded their writes. A note (str) instead when the record is damaged."""
     try:
-        save = SaveRecord.decode(_fsio.read_all(fs, _fsio.join(root, record)), record)
+        save = SaveRecord.decode(fsio.read_all(fs, fsio.join(root, record)), record)
         layout = layout_from_files(save.files, record)
     except RecordError as exc:
         return f"unreadable save record, left out: {exc}"

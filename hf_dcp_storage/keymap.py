@@ -5,14 +5,13 @@ Pure: rules in, a mapping of the actual keys out, every ambiguity refused with t
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from . import _fsio
+from .format.strictjson import loads_strict
+from .io import fsio
 
 __all__ = ["KeyMapping", "KeyMappingError", "Renaming", "load_key_mapping"]
 
@@ -200,28 +199,16 @@ def load_key_mapping(source: str | os.PathLike[str] | Mapping[str, str | None] |
         )
     where = os.fspath(source)
     try:
-        fs, path = _fsio.resolve(where, None)
-        raw = _fsio.read_all(fs, path)
+        fs, path = fsio.resolve(where, None)
+        raw = fsio.read_all(fs, path)
     except (OSError, ValueError, ImportError) as exc:
         raise KeyMappingError(f"cannot read key mapping {where}: {exc}; pass the path of a JSON file") from exc
-    try:
-        rules = json.loads(raw, object_pairs_hook=lambda pairs: _no_duplicates(pairs, where))
-    except KeyMappingError:
-        raise
-    # UnicodeDecodeError and JSONDecodeError are ValueErrors; so is an int past
-    # sys.get_int_max_str_digits() digits, and nesting too deep to decode is a RecursionError.
-    except (ValueError, RecursionError) as exc:
-        raise KeyMappingError(
+    rules = loads_strict(
+        raw,
+        duplicate=lambda key: KeyMappingError(f"{where}: key {key!r} appears twice; give each source key one rule"),
+        invalid=lambda exc: KeyMappingError(
             f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); a key mapping is one object such as "
             f'{{"layers.{{}}.attention.wq.weight": "model.layers.{{}}.self_attn.q_proj.weight", "freqs_cis": null}}'
-        ) from None
+        ),
+    )
     return KeyMapping(rules, origin=where)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise KeyMappingError(f"{where}: key {key!r} appears twice; give each source key one rule")
-        seen[key] = value
-    return seen

@@ -22,8 +22,8 @@ import json
 import logging
 import os
 import threading
-import weakref
 import time
+import weakref
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from typing import Any
@@ -34,11 +34,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _fsio
-from ._arrival import DEFAULT_RANK_TIMEOUT, check_rank_timeout
-from ._retry import RetryPolicy
 from ._steps import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from ._trainstate import capture_rng, join, restore_rng, split
+from .io import fsio
+from .io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
+from .io.retry import RetryPolicy
 from .reader import HFStorageReader
 from .runs import remove_step, step_status
 from .writer import HFStorageWriter
@@ -88,8 +88,8 @@ class CheckpointManager:
     ) -> None:
         self.policy = RetentionPolicy(keep_last_n, keep_every)
         self.storage_options = storage_options
-        self.fs, self.root = _fsio.resolve(root, storage_options)
-        self.url = _fsio.url_of(self.fs, self.root)
+        self.fs, self.root = fsio.resolve(root, storage_options)
+        self.url = fsio.url_of(self.fs, self.root)
         self._io = {"storage_options": storage_options, "thread_count": thread_count, "retry": retry}
         self.max_shard_size = max_shard_size
         self.rank_timeout = check_rank_timeout(rank_timeout)
@@ -195,11 +195,11 @@ class CheckpointManager:
             raise FileExistsError(refusal)
         self._barrier()  # the folder is clear before anyone writes into it
 
-        folder = _fsio.join(self.root, name)
-        state_folder = _fsio.join(folder, TRAINING_STATE_DIR)
-        if _fsio.is_local(self.fs):
+        folder = fsio.join(self.root, name)
+        state_folder = fsio.join(folder, TRAINING_STATE_DIR)
+        if fsio.is_local(self.fs):
             self.fs.makedirs(state_folder, exist_ok=True)
-        _fsio.write_atomic(self.fs, _fsio.join(state_folder, _rank_file(self._rank)), payload)
+        fsio.write_atomic(self.fs, fsio.join(state_folder, _rank_file(self._rank)), payload)
         # Writers and readers take URLs: a bare path of a remote store would mean local disk.
         options = {"max_shard_size": self.max_shard_size, "rank_timeout": self.rank_timeout, **self._io}
         model_writer = HFStorageWriter(self._url(folder), **options)
@@ -279,13 +279,13 @@ class CheckpointManager:
             step = steps[-1]
         elif step not in steps:
             raise FileNotFoundError(f"{self.url}: step {step} is not a complete checkpoint here; complete steps: {steps}")
-        folder = _fsio.join(self.root, step_name(step))
+        folder = fsio.join(self.root, step_name(step))
         reader_io = {"storage_options": self.storage_options, "thread_count": self._io["thread_count"], "retry": self._io["retry"]}
         dcp.load(model_state_dict, storage_reader=HFStorageReader(self._url(folder), **reader_io))
         if training_state is not None:
-            marker = json.loads(_fsio.read_all(self.fs, _fsio.join(folder, COMMIT_MARKER)))
-            state_folder = _fsio.join(folder, TRAINING_STATE_DIR)
-            saved = json.loads(_fsio.read_all(self.fs, _fsio.join(state_folder, _rank_file(self._rank % marker["world_size"]))))
+            marker = json.loads(fsio.read_all(self.fs, fsio.join(folder, COMMIT_MARKER)))
+            state_folder = fsio.join(folder, TRAINING_STATE_DIR)
+            saved = json.loads(fsio.read_all(self.fs, fsio.join(state_folder, _rank_file(self._rank % marker["world_size"]))))
             self._load_training_state(training_state, saved["values"], self._url(state_folder), reader_io)
             restore_rng(saved["rng"])
         self._barrier()
@@ -335,10 +335,10 @@ class CheckpointManager:
     def _clear_step(self, step: int) -> str | None:
         """(rank 0) Make the step's folder empty, or say why not (a complete step, no overwrite)."""
         status = self._list_steps().get(step)
-        folder = _fsio.join(self.root, step_name(step))
+        folder = fsio.join(self.root, step_name(step))
         if status and not self.overwrite:
             return (
-                f"{_fsio.url_of(self.fs, folder)} is already a complete checkpoint; pass "
+                f"{fsio.url_of(self.fs, folder)} is already a complete checkpoint; pass "
                 f"CheckpointManager(..., overwrite=True) to replace it, or save another step"
             )
         if status is not None:
@@ -348,11 +348,11 @@ class CheckpointManager:
         return None
 
     def _url(self, path: str) -> str:
-        return _fsio.url_of(self.fs, path)
+        return fsio.url_of(self.fs, path)
 
     def _commit(self, step: int) -> None:
         marker = {"step": step, "world_size": self._world, "saved_at": time.time(), "format": 1}
-        _fsio.write_atomic(self.fs, _fsio.join(self.root, step_name(step), COMMIT_MARKER), json.dumps(marker).encode())
+        fsio.write_atomic(self.fs, fsio.join(self.root, step_name(step), COMMIT_MARKER), json.dumps(marker).encode())
 
     def _reused_stagers(self) -> tuple[Any, Any]:
         """The stagers async saves use: DCP's default (``None``: a fresh copy per save), or with

@@ -23,15 +23,16 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import _fsio
-from ._header import HeaderError, TensorEntry
-from ._hostbuf import HostBuffers, from_host
-from ._hfindex import FileHeader, load_weight_map, read_bytes, read_header
-from ._layout import INDEX_NAME, chunk_runs, element_size
-from ._slabs import SLAB_BYTES, slab_bounds, sub_chunk
-from ._parallel import parallel_map
-from ._retry import RetryPolicy
+from ._layout import chunk_runs, element_size
 from ._s3 import S3, s3_for
+from .format.header import HeaderError, TensorEntry
+from .format.index import INDEX_NAME, FileHeader
+from .io import fsio
+from .io.files import load_weight_map, read_bytes, read_header
+from .io.hostbuf import HostBuffers, from_host
+from .io.parallel import parallel_map
+from .io.retry import RetryPolicy
+from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
 
 __all__ = ["HFStorageReader", "coalesce"]
 
@@ -120,14 +121,14 @@ class HFStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
-            self.fs, self.root = _fsio.resolve(checkpoint_id, self.storage_options)
+            self.fs, self.root = fsio.resolve(checkpoint_id, self.storage_options)
             self._s3 = s3_for(self.fs, self.retry)
         self.storage_data = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            _fsio.resolve(checkpoint_id, None)
+            fsio.resolve(checkpoint_id, None)
         except (ValueError, ImportError, TypeError):
             return False
         return True
@@ -145,7 +146,7 @@ class HFStorageReader(StorageReader):
         weight_map, checksums, recorded = self._weight_map()
         if self.verify and checksums is None:
             raise ValueError(
-                f"{_fsio.url_of(self.fs, self.root)}: verify=True, but the checkpoint records no checksums "
+                f"{fsio.url_of(self.fs, self.root)}: verify=True, but the checkpoint records no checksums "
                 f"(only checkpoints saved by HFStorageWriter have them); load it with verify=False"
             )
         files = sorted(set(weight_map.values()))
@@ -195,14 +196,14 @@ class HFStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """(all ranks) Read every item of ``plan`` into ``planner``'s tensors, slab by slab."""
         items = self._kept if plan.storage_data == _KEPT_HERE and not plan.items else plan.items
-        local = _fsio.is_local(self.fs)
+        local = fsio.is_local(self.fs)
         fds: dict[str, int] = {}
         lock = threading.Lock()
 
         def fd_for(file: str) -> int:
             with lock:
                 if file not in fds:
-                    fds[file] = os.open(_fsio.join(self.root, file), os.O_RDONLY)
+                    fds[file] = os.open(fsio.join(self.root, file), os.O_RDONLY)
                 return fds[file]
 
         def fill(stored: _Stored, runs: Iterable[tuple[int, int, int]], view: memoryview) -> None:
@@ -211,7 +212,7 @@ class HFStorageReader(StorageReader):
                 return
             fd, where = fd_for(stored.file), self._url(stored.file)
             for t, c, n in runs:
-                _fsio.pread_into(fd, view[c : c + n], stored.start + t, where=where)
+                fsio.pread_into(fd, view[c : c + n], stored.start + t, where=where)
 
         try:
             if self.verify:
@@ -298,7 +299,7 @@ class HFStorageReader(StorageReader):
         """Bytes of destination per slab: ``SLAB_BYTES``, less where a remote read fetches whole
         rows for a part of each (a column shard whose gaps ``coalesce`` reads), so that what one
         slab fetches, and holds in memory, stays about ``SLAB_BYTES`` whatever the world size."""
-        if _fsio.is_local(self.fs) or len(stored.shape) < 2:
+        if fsio.is_local(self.fs) or len(stored.shape) < 2:
             return SLAB_BYTES
         wanted, full = math.prod(item.lengths[1:]), math.prod(stored.shape[1:])
         if wanted == full or (full - wanted) * element_size(stored.dtype) > READ_GAP_BYTES:
@@ -306,11 +307,11 @@ class HFStorageReader(StorageReader):
         return max(1, SLAB_BYTES * wanted // max(full, 1))
 
     def _url(self, name: str) -> str:
-        return _fsio.url_of(self.fs, _fsio.join(self.root, name))
+        return fsio.url_of(self.fs, fsio.join(self.root, name))
 
     def _fetch_runs(self, stored: _Stored, runs: list[tuple[int, int, int]], view: memoryview) -> None:
         """Read ``runs`` of a remote file into ``view``: nearby runs joined, requests in parallel."""
-        path = _fsio.join(self.root, stored.file)
+        path = fsio.join(self.root, stored.file)
         spans = [(stored.start + t, stored.start + t + n) for t, _, n in runs]
         requests = coalesce(spans)
         if self._s3 is not None:
@@ -340,7 +341,7 @@ class HFStorageReader(StorageReader):
         retries neither a 500 nor a connection reset. A permanent failure keeps its own error.
         """
         return self.retry.call(
-            lambda: load_weight_map(self.fs, self.root, self._read_range), operation="read the index of", url=_fsio.url_of(self.fs, self.root), keep_permanent=True
+            lambda: load_weight_map(self.fs, self.root, self._read_range), operation="read the index of", url=fsio.url_of(self.fs, self.root), keep_permanent=True
         )
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:

@@ -24,10 +24,10 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from . import _fsio
-from ._parallel import parallel_map
 from ._s3 import abort_uploads_under
 from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
+from .io import fsio
+from .io.parallel import parallel_map
 
 __all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step"]
 
@@ -95,7 +95,7 @@ def list_steps(run_dir: str | os.PathLike[str], *, storage_options: dict[str, An
     Raises:
         FileNotFoundError: ``run_dir`` does not exist (or is not a folder).
     """
-    fs, root = _fsio.resolve(run_dir, storage_options)
+    fs, root = fsio.resolve(run_dir, storage_options)
     return scan_steps(fs, root)
 
 
@@ -133,13 +133,13 @@ def step_status(fs: AbstractFileSystem, root: str, *, missing_ok: bool = False) 
     Raises:
         FileNotFoundError: ``root`` does not exist and ``missing_ok`` is off.
     """
-    entries = _fsio.list_entries(fs, root)
-    if not entries and not missing_ok and not _fsio.isdir(fs, root):
+    entries = fsio.list_entries(fs, root)
+    if not entries and not missing_ok and not fsio.isdir(fs, root):
         raise FileNotFoundError(_missing(fs, root))
     steps = sorted(
         s for e in entries if e.get("type") == "directory" and (s := parse_step(posixpath.basename(e["name"].rstrip("/")))) is not None
     )
-    done = parallel_map(lambda s: _fsio.exists(fs, _fsio.join(root, step_name(s), COMMIT_MARKER)), steps, _MARKER_CHECKS)
+    done = parallel_map(lambda s: fsio.exists(fs, fsio.join(root, step_name(s), COMMIT_MARKER)), steps, _MARKER_CHECKS)
     return dict(zip(steps, done, strict=True))
 
 
@@ -151,10 +151,10 @@ def remove_step(fs: AbstractFileSystem, root: str, step: int) -> None:
     loads and retention removes later, never a "complete" one with files missing. On S3 the
     unfinished multipart uploads under the folder (a killed save's) are aborted too.
     """
-    folder = _fsio.join(root, step_name(step))
-    _fsio.remove(fs, _fsio.join(folder, COMMIT_MARKER))
+    folder = fsio.join(root, step_name(step))
+    fsio.remove(fs, fsio.join(folder, COMMIT_MARKER))
     abort_uploads_under(fs, folder)
-    _fsio.remove_tree(fs, folder)
+    fsio.remove_tree(fs, folder)
 
 
 def prune_run(
@@ -188,7 +188,7 @@ def prune_run(
         FileNotFoundError: ``run_dir`` does not exist.
     """
     policy = RetentionPolicy(keep_last_n, keep_every)
-    fs, root = _fsio.resolve(run_dir, storage_options)
+    fs, root = fsio.resolve(run_dir, storage_options)
     steps = step_status(fs, root)
     in_progress = () if include_unfinished else _newer_incomplete(steps)
     removed = to_remove(steps, policy, in_progress)
@@ -207,7 +207,7 @@ def _list_run(fs: AbstractFileSystem, root: str, missing_ok: bool) -> dict[str, 
     try:
         # Folders too: an empty step folder (a save that crashed before its first file) is an
         # incomplete step that retention must see. s3fs infers them from the keys, no extra request.
-        found = _fsio.find_entries(fs, root, withdirs=True)
+        found = fsio.find_entries(fs, root, withdirs=True)
     except FileNotFoundError as exc:  # s3fs: a missing bucket
         if missing_ok:
             return {}
@@ -215,14 +215,14 @@ def _list_run(fs: AbstractFileSystem, root: str, missing_ok: bool) -> dict[str, 
     base = root.rstrip("/") + "/"
     under = {path[len(base) :]: info for path, info in found.items() if path.startswith(base)}
     # An empty listing is either an empty run or no run at all; only then ask which.
-    if not under and not missing_ok and not _fsio.isdir(fs, root):
+    if not under and not missing_ok and not fsio.isdir(fs, root):
         raise FileNotFoundError(_missing(fs, root))
     return under
 
 
 def _missing(fs: AbstractFileSystem, root: str) -> str:
     # On an object store a folder is only a key prefix: a run pruned to nothing is gone as well.
-    return f"{_fsio.url_of(fs, root)}: no such run folder (nothing is stored under it); give the folder that holds the step_N checkpoints"
+    return f"{fsio.url_of(fs, root)}: no such run folder (nothing is stored under it); give the folder that holds the step_N checkpoints"
 
 
 def _step_info(fs: AbstractFileSystem, root: str, step: int, files: list[tuple[str, Mapping[str, Any]]]) -> StepInfo:
@@ -237,7 +237,7 @@ def _step_info(fs: AbstractFileSystem, root: str, step: int, files: list[tuple[s
     return StepInfo(
         step=step,
         name=name,
-        url=_fsio.url_of(fs, _fsio.join(root, name)),
+        url=fsio.url_of(fs, fsio.join(root, name)),
         complete=marker is not None,
         size=sum(int(info.get("size") or 0) for _, info in files),
         files=len(files),

@@ -25,7 +25,7 @@ checked (the latter as an HF checkpoint of its own). A PyTorch DCP checkpoint ge
 The checksum pass reads each file in ``BLOCK_BYTES`` ranged reads, ``thread_count`` at a time
 across all files and within each file, so memory stays ``thread_count * BLOCK_BYTES`` whatever the
 checkpoint's size; each block yields the CRC32 of its share of every tensor it overlaps, and the
-shares are combined in order (``_crc.crc32_combine``).
+shares are combined in order (``format/crc.py``: ``crc32_combine``).
 """
 
 from __future__ import annotations
@@ -41,24 +41,22 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from . import _fsio
-from ._crc import crc32_combine
-from ._header import HeaderError
-from ._hfindex import (
+from ._progress import NO_PROGRESS, Progress
+from ._steps import COMMIT_MARKER
+from .format.crc import crc32_combine
+from .format.header import HeaderError
+from .format.index import (
+    CHECKSUMS_KEY,
+    HEADERS_KEY,
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
     FileHeader,
-    Folder,
     checksum_table,
     decode_index_json,
     file_name_problem,
-    read_header,
-    read_index,
     recorded_headers,
     weight_map_of,
 )
-from ._layout import CHECKSUMS_KEY, HEADERS_KEY, INDEX_NAME, SINGLE_FILE_NAME
-from ._parallel import parallel_map
-from ._progress import NO_PROGRESS, Progress
-from ._steps import COMMIT_MARKER
 from .inspection import (
     DCP_METADATA,
     FORMAT_DCP,
@@ -70,6 +68,9 @@ from .inspection import (
     range_reader,
     safetensors_files,
 )
+from .io import fsio
+from .io.files import Folder, read_header, read_index
+from .io.parallel import parallel_map
 from .manager import TRAINING_STATE_DIR, _rank_file
 from .writer import STAGING_DIR
 
@@ -174,7 +175,7 @@ def verify_checkpoint(
     """
     _check_thread_count(thread_count)
     fs, root, folder, kind = open_checkpoint(path, storage_options)
-    report = VerifyReport(url=_fsio.url_of(fs, root), format=kind)
+    report = VerifyReport(url=fsio.url_of(fs, root), format=kind)
     run = _Verification(fs, root, report, storage_options, thread_count, checksums)
     if kind == FORMAT_HF:
         jobs = run.hf(_Dir(root, folder, ""))
@@ -472,7 +473,7 @@ class _Verification:
                 continue
             per_file.setdefault(file, []).append(_Tensor(key, headers[file].data_start + entry.begin, entry.nbytes, crc))
         return [
-            _FileJob(d.name(file), _fsio.join(d.root, file), tuple(sorted(tensors, key=lambda t: t.start)))
+            _FileJob(d.name(file), fsio.join(d.root, file), tuple(sorted(tensors, key=lambda t: t.start)))
             for file, tensors in sorted(per_file.items())
         ]
 
@@ -542,7 +543,7 @@ class _Verification:
             self._marker(folder)
         if not folder.has_dir(TRAINING_STATE_DIR):
             return []
-        sub = _Dir(_fsio.join(self.root, TRAINING_STATE_DIR), folder.sub(TRAINING_STATE_DIR), TRAINING_STATE_DIR + "/")
+        sub = _Dir(fsio.join(self.root, TRAINING_STATE_DIR), folder.sub(TRAINING_STATE_DIR), TRAINING_STATE_DIR + "/")
         if INDEX_NAME in sub.folder.files or SINGLE_FILE_NAME in sub.folder.files:
             return self.hf(sub)
         if safetensors_files(sub.folder) or sub.folder.has_dir(STAGING_DIR):
@@ -553,7 +554,7 @@ class _Verification:
     def _marker(self, folder: Folder) -> None:
         """The marker names the world size; each rank's training-state file must exist."""
         try:
-            marker = json.loads(_fsio.read_all(self.fs, _fsio.join(self.root, COMMIT_MARKER)))
+            marker = json.loads(fsio.read_all(self.fs, fsio.join(self.root, COMMIT_MARKER)))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             self.problem(COMMIT_MARKER, None, f"{COMMIT_MARKER}: not valid JSON ({exc}); CheckpointManager cannot load this step's training state")
             return

@@ -5,37 +5,44 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
 import threading
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _arrival, _fsio
-from ._compact import LocalChunks, TablePlan, check_and_dedup, encode_local, gather, table_plans, xor_shares
-from ._crc import CrcAccumulator
-from ._header import dtype_name
-from ._hostbuf import HostBuffers, to_host
+from ._compact import (
+    LocalChunks,
+    TablePlan,
+    check_and_dedup,
+    encode_local,
+    gather,
+    table_plans,
+    xor_shares,
+)
 from ._layout import (
-    CHECKSUM_ALGORITHM,
-    CHECKSUM_ALGORITHM_KEY,
-    CHECKSUMS_KEY,
-    HEADERS_KEY,
-    INDEX_NAME,
-    SHARD_NAME_RE,
-    SINGLE_FILE_NAME,
     Layout,
     Placement,
     chunk_runs,
@@ -43,24 +50,52 @@ from ._layout import (
     parse_size,
     plan_layout,
 )
-from ._parallel import parallel_map
-from ._progress import NO_PROGRESS, Progress
 from ._merge import StagedPiece, merge_file
-from ._retry import RetryPolicy
-from ._s3 import MergeStats, MultipartWriter, PartAssembler, PartUploader, _quietly, complete_file, gather_bytes, s3_for
 from ._packed import PackedTuple
+from ._placed import PlacedChunks, place_chunks, place_items
+from ._progress import NO_PROGRESS, Progress
+from ._s3 import (
+    MergeStats,
+    MultipartWriter,
+    PartAssembler,
+    PartUploader,
+    _quietly,
+    complete_file,
+    gather_bytes,
+    s3_for,
+)
 from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
 from ._s3plan import S3Plan, plan_s3
-from ._slabs import as_bytes, slab_bounds, sub_chunk
-from ._placed import PlacedChunks, place_chunks, place_items
 from ._spread import GatherTask, GatherTasks, MergeTask, assign, merge_tasks
-from ._staging import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, ItemRecord, RankRecord, SaveRecord, rank_record_name
+from .format.crc import CrcAccumulator
+from .format.header import dtype_name
+from .format.index import (
+    INDEX_NAME,
+    SHARD_NAME_RE,
+    SINGLE_FILE_NAME,
+    index_json,
+    json_bytes,
+)
+from .io import fsio, meeting
+from .io.hostbuf import HostBuffers, to_host
+from .io.parallel import parallel_map
+from .io.records import (
+    COMPLETION_RECORD,
+    SAVE_RECORD,
+    CompletionRecord,
+    ItemRecord,
+    RankRecord,
+    SaveRecord,
+    rank_record_name,
+)
+from .io.retry import RetryPolicy
+from .io.slabs import as_bytes, slab_bounds, sub_chunk
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
 
 logger = logging.getLogger(__name__)
 
-# The save's own record (``_staging.py``) and per-rank staged files live here until the
+# The save's own record (``io/records.py``) and per-rank staged files live here until the
 # coordinator has written the index; then the folder is removed.
 STAGING_DIR = ".hf_dcp_staging"
 
@@ -152,14 +187,14 @@ class HFStorageWriter(StorageWriter):
        spreads the finishing work, ``_placed.py``, ``_spread.py``), refuses to replace a complete checkpoint unless
        ``overwrite=True``, and on local disk creates every file at its final size with its
        header; on S3 it plans every file's multipart parts and creates the uploads. It records
-       the plan in ``.hf_dcp_staging/save.json`` (``_staging.py``).
+       the plan in ``.hf_dcp_staging/save.json`` (``io/records.py``).
     3. (all ranks) ``write_data``: each rank writes only its own bytes. On local disk (and NFS)
        they go straight to their final place with positioned writes, so nothing is left to
        consolidate. On S3 each rank uploads the parts that hold only its bytes straight into the
        files' uploads and stages its runs under 5 MiB. Elsewhere each rank streams one staged
        object per output file. Once its bytes are durable, each rank records what it wrote
        (``.hf_dcp_staging/rankNNNNN.json``). Then, where bytes were staged, the ranks wait for
-       each other (on the job's key-value store, ``_arrival.py``) and each does its share of the
+       each other (on the job's key-value store, ``io/meeting.py``) and each does its share of the
        finishing work the coordinator spread by bytes (``_spread.py``): on S3 it assembles
        gathered parts from the staged runs and uploads them; elsewhere it merges whole files.
     4. (coordinator) ``finish``: on S3 completes the uploads; then writes the index, and removes
@@ -206,7 +241,7 @@ class HFStorageWriter(StorageWriter):
         thread_count: int = 4,
         direct_write: bool | None = None,
         retry: RetryPolicy | None = None,
-        rank_timeout: float = _arrival.DEFAULT_RANK_TIMEOUT,
+        rank_timeout: float = meeting.DEFAULT_RANK_TIMEOUT,
     ) -> None:
         super().__init__()
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -222,7 +257,7 @@ class HFStorageWriter(StorageWriter):
         self.thread_count = thread_count
         self.direct_write = direct_write
         self.retry = retry or RetryPolicy()
-        self.rank_timeout = _arrival.check_rank_timeout(rank_timeout)
+        self.rank_timeout = meeting.check_rank_timeout(rank_timeout)
         self._s3 = None
         # Made on first need and kept across saves: pinned memory is slow to allocate.
         self._host: HostBuffers | None = None
@@ -247,9 +282,9 @@ class HFStorageWriter(StorageWriter):
         self._refuse_if_busy()
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
-            self.fs, self.root = _fsio.resolve(checkpoint_id, self.storage_options)
+            self.fs, self.root = fsio.resolve(checkpoint_id, self.storage_options)
             self._s3 = s3_for(self.fs, self.retry)
-            if self.direct_write and not _fsio.is_local(self.fs):
+            if self.direct_write and not fsio.is_local(self.fs):
                 raise ValueError(
                     f"direct_write=True needs positioned writes, which {checkpoint_id!s} does not "
                     f"support; use direct_write=None (automatic) or False"
@@ -279,7 +314,7 @@ class HFStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            _fsio.resolve(checkpoint_id, None)
+            fsio.resolve(checkpoint_id, None)
         except (ValueError, ImportError, TypeError):
             return False
         return True
@@ -329,7 +364,7 @@ class HFStorageWriter(StorageWriter):
 
     def _direct_mode(self) -> bool:
         """Positioned writes into the final files: the same answer on every rank."""
-        return self.direct_write if self.direct_write is not None else _fsio.is_local(self.fs)
+        return self.direct_write if self.direct_write is not None else fsio.is_local(self.fs)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Plan the whole layout, then prepare the destination for writing."""
@@ -359,7 +394,7 @@ class HFStorageWriter(StorageWriter):
         save_id = uuid.uuid4().hex
         record = SaveRecord(save_id, mode, len(plans), tuple((f.name, f.header) for f in layout.files), self._uploads)
         try:
-            self._put(_fsio.join(self.root, STAGING_DIR, SAVE_RECORD), record.encode())
+            self._put(fsio.join(self.root, STAGING_DIR, SAVE_RECORD), record.encode())
         except BaseException:
             if self._uploads:
                 self._abort_uploads(layout.names, self._uploads)
@@ -407,22 +442,22 @@ class HFStorageWriter(StorageWriter):
         """(all ranks) Write this rank's bytes: in place on local disk, else staged objects; then
         record what was written (the save's ``rank{r}.json``), so an interrupted save can be finished."""
         items, rank_plan = self._unpack_table(plan.storage_data)
-        meeting = _arrival.Meeting(rank_plan.save_id, rank_plan.rank, rank_plan.world, self.rank_timeout) if rank_plan.meet else None
+        meet = meeting.Meeting(rank_plan.save_id, rank_plan.rank, rank_plan.world, self.rank_timeout) if rank_plan.meet else None
         try:
-            if meeting is not None:
-                meeting.start()
+            if meet is not None:
+                meet.start()
             try:
                 results = self._write_own(items, rank_plan, planner)
             except BaseException:
-                if meeting is not None:
+                if meet is not None:
                     # Arrive anyway, as failed: the others are waiting for every rank, and stop too.
                     with contextlib.suppress(Exception):
-                        meeting.arrive_failed()
+                        meet.arrive_failed()
                 raise
-            failed = meeting.arrive_and_wait() if meeting is not None else []
+            failed = meet.arrive_and_wait() if meet is not None else []
         finally:
-            if meeting is not None:
-                meeting.stop()
+            if meet is not None:
+                meet.stop()
         if failed:
             shown = failed if len(failed) <= 16 else [*failed[:16], "..."]
             raise RuntimeError(
@@ -447,7 +482,7 @@ class HFStorageWriter(StorageWriter):
         else:
             results = self._write_staged(items, rank_plan, planner)
         try:
-            self._put(_fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), _rank_record(rank_plan, items, results).encode())
+            self._put(fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), _rank_record(rank_plan, items, results).encode())
         except BaseException:
             if rank_plan.s3 is not None:
                 self._abort_save_uploads(rank_plan)
@@ -462,7 +497,7 @@ class HFStorageWriter(StorageWriter):
         uploads = rank_plan.s3.uploads if rank_plan.s3 is not None else {}
 
         def run(task: GatherTask | MergeTask) -> tuple[int, dict[str, Any] | None]:
-            path = _fsio.join(self.root, files[task.file])
+            path = fsio.join(self.root, files[task.file])
             if isinstance(task, MergeTask):
                 merge_file(self.fs, path, task.header, task.nbytes, task.pieces(lambda rank: self._staged_path(files[task.file], rank)))
                 return task.file, None
@@ -526,14 +561,14 @@ class HFStorageWriter(StorageWriter):
         if layout is None:
             raise RuntimeError("HFStorageWriter.finish called before prepare_global_plan on the coordinator")
         if self._meets:
-            _arrival.forget(self._save_id)  # every rank is past it: DCP gathered their results
+            meeting.forget(self._save_id)  # every rank is past it: DCP gathered their results
         finished = {rank: r.storage_data for rank, rs in enumerate(results) for r in rs if r.index == _FINISHED}
         results = [[r for r in rs if r.index != _FINISHED] for rs in results]
         for rank, f in finished.items():
             self.merge_stats.by_rank[rank] = f.nbytes
         if self._direct:
-            if _fsio.is_local(self.fs):
-                _fsio.fsync_dir(self.root)
+            if fsio.is_local(self.fs):
+                fsio.fsync_dir(self.root)
         elif self._s3_parts is not None:
             self._complete_s3(layout, results, finished)
         else:
@@ -553,11 +588,11 @@ class HFStorageWriter(StorageWriter):
             # Compact plans left DCP's metadata empty; what dcp.save returns should describe the
             # checkpoint as HFStorageReader will: one whole-tensor chunk per key.
             metadata.state_dict_metadata.update(_whole_tensors(layout))
-        self._put(_fsio.join(self.root, INDEX_NAME), _json_bytes(_index_json(layout, checksums)))
+        self._put(fsio.join(self.root, INDEX_NAME), _index_bytes(layout, checksums))
         # After the commit: until the index exists, the records are what can finish the save.
-        staging = _fsio.join(self.root, STAGING_DIR)
+        staging = fsio.join(self.root, STAGING_DIR)
         try:
-            self._retried(lambda: _fsio.remove_tree(self.fs, staging), "remove the staging folder", staging)
+            self._retried(lambda: fsio.remove_tree(self.fs, staging), "remove the staging folder", staging)
         except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: a leftover is no failure
             logger.warning(
                 "%s is committed, but its staging folder could not be removed (%s); `hf-dcp consolidate %s` "
@@ -568,7 +603,7 @@ class HFStorageWriter(StorageWriter):
     def _retried(self, fn: Callable[[], Any], operation: str, path: str) -> Any:
         """``fn()`` under the retry policy (fsspec requests: s3fs retries neither a 500 nor a
         reset); a permanent failure keeps its own error."""
-        return self.retry.call(fn, operation=operation, url=_fsio.url_of(self.fs, path), keep_permanent=True)
+        return self.retry.call(fn, operation=operation, url=fsio.url_of(self.fs, path), keep_permanent=True)
 
     def _host_buffers(self, tensor: torch.Tensor) -> HostBuffers:
         """(each rank) The host buffers of slabs that need a copy: two per I/O thread (one being
@@ -597,7 +632,7 @@ class HFStorageWriter(StorageWriter):
     def _prepare_destination(self, layout: Layout, direct: bool) -> None:
         """Refuse or un-commit an existing checkpoint, clear leftovers, and pre-create files."""
         fs, root = self.fs, self.root
-        local = _fsio.is_local(fs)
+        local = fsio.is_local(fs)
         if local:
             # Object stores have no folders, and s3fs's makedirs would create a missing bucket.
             fs.makedirs(root, exist_ok=True)
@@ -606,30 +641,30 @@ class HFStorageWriter(StorageWriter):
         # the listing of unfinished uploads runs beside it.
         with ThreadPoolExecutor(1) as pool:
             uploads = pool.submit(self._s3.list_uploads, root.rstrip("/") + "/") if self._s3 is not None else None
-            names = self._retried(lambda: _fsio.list_tree(fs, root), "list", root)
+            names = self._retried(lambda: fsio.list_tree(fs, root), "list", root)
             orphans = uploads.result() if uploads is not None else []
         committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if n in names]
         if committed and not self.overwrite:
             raise FileExistsError(
-                f"{_fsio.url_of(fs, root)} already holds a complete checkpoint ({', '.join(committed)}); "
+                f"{fsio.url_of(fs, root)} already holds a complete checkpoint ({', '.join(committed)}); "
                 f"pass HFStorageWriter(..., overwrite=True) to replace it, or save to a new path"
             )
         # The index goes first: from here on the folder is an incomplete checkpoint, never a
         # complete one whose files are being rewritten underneath it.
         for name in committed:
-            self._retried(lambda path=_fsio.join(root, name): _fsio.remove(fs, path), "remove", _fsio.join(root, name))
+            self._retried(lambda path=fsio.join(root, name): fsio.remove(fs, path), "remove", fsio.join(root, name))
         keep = {f.name for f in layout.files}
-        stale = [_fsio.join(root, n) for n in names if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)]
-        self._retried(lambda: _fsio.remove_many(fs, stale), "remove leftovers under", root)
+        stale = [fsio.join(root, n) for n in names if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)]
+        self._retried(lambda: fsio.remove_many(fs, stale), "remove leftovers under", root)
         if self._s3 is not None:
             # Uploads a killed save left unfinished under this path: invisible, but billed.
             s3, bucket = self._s3, root.split("/", 1)[0]
             parallel_map(lambda o: s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, self.thread_count)
         if local:
-            fs.makedirs(_fsio.join(root, STAGING_DIR), exist_ok=True)
+            fs.makedirs(fsio.join(root, STAGING_DIR), exist_ok=True)
         if direct:
             for f in layout.files:
-                _create_with_header(_fsio.join(root, f.name), f.header, f.size)
+                _create_with_header(fsio.join(root, f.name), f.header, f.size)
 
     def _write_direct(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
         fds: dict[int, int] = {}
@@ -638,7 +673,7 @@ class HFStorageWriter(StorageWriter):
         def fd_for(file: int) -> int:
             with lock:
                 if file not in fds:
-                    fds[file] = _fsio.open_rw(_fsio.join(self.root, rank_plan.files[file]), create=False)
+                    fds[file] = fsio.open_rw(fsio.join(self.root, rank_plan.files[file]), create=False)
                 return fds[file]
 
         def write_item(item: WriteItem) -> WriteResult:
@@ -650,12 +685,12 @@ class HFStorageWriter(StorageWriter):
                 first = last = None
                 for tensor_off, chunk_off, n in runs:
                     run = data[chunk_off : chunk_off + n]
-                    _fsio.pwrite_all(fd, run, place.tensor_start + tensor_off)
+                    fsio.pwrite_all(fd, run, place.tensor_start + tensor_off)
                     crc.update(tensor_off, run)  # while the run is still in cache
                     first = tensor_off if first is None else first
                     last = tensor_off + n
                 if first is not None:
-                    _fsio.start_writeback(fd, place.tensor_start + first, last - first)
+                    fsio.start_writeback(fd, place.tensor_start + first, last - first)
                 nbytes += len(data)
             return WriteResult(item.index, nbytes, _Written(place.file, None, crc.contribution(_tensor_bytes(item))))
 
@@ -690,7 +725,7 @@ class HFStorageWriter(StorageWriter):
                             crc.update(tensor_off, data[chunk_off : chunk_off + n])
                         pos += len(data)
                     results.append(WriteResult(item.index, pos - start, _Written(file, start, crc.contribution(_tensor_bytes(item)))))
-                if _fsio.is_local(self.fs):
+                if fsio.is_local(self.fs):
                     out.flush()
                     os.fsync(out.fileno())
             return results
@@ -706,7 +741,7 @@ class HFStorageWriter(StorageWriter):
         files = [f for f, parts in enumerate(s3_parts) if len(parts) > 1]
 
         def create(f: int) -> None:
-            uploads[f] = s3.create_upload(_fsio.join(self.root, layout.files[f].name))
+            uploads[f] = s3.create_upload(fsio.join(self.root, layout.files[f].name))
 
         try:
             parallel_map(create, files, self.thread_count)
@@ -723,9 +758,9 @@ class HFStorageWriter(StorageWriter):
         this path aborts what is left)."""
         assert rank_plan.s3 is not None
         uploads = dict(rank_plan.s3.uploads)
-        where = _fsio.join(self.root, STAGING_DIR, SAVE_RECORD)
+        where = fsio.join(self.root, STAGING_DIR, SAVE_RECORD)
         try:
-            record = SaveRecord.decode(self._retried(lambda: _fsio.read_all(self.fs, where), "read", where), where)
+            record = SaveRecord.decode(self._retried(lambda: fsio.read_all(self.fs, where), "read", where), where)
             if record.save_id == rank_plan.save_id:
                 uploads.update(record.uploads)
         except Exception as exc:  # noqa: BLE001 - the failure being handled is the one to report
@@ -737,7 +772,7 @@ class HFStorageWriter(StorageWriter):
         s3 = self._s3
         assert s3 is not None
         for f, upload_id in uploads.items():
-            path = _fsio.join(self.root, names[f])
+            path = fsio.join(self.root, names[f])
             _quietly(lambda: s3.abort_upload(path, upload_id), path)
 
     def _write_s3(self, items: list[WriteItem], rank_plan: _RankPlan, planner: SavePlanner) -> list[WriteResult]:
@@ -757,7 +792,7 @@ class HFStorageWriter(StorageWriter):
             header = s3_plan.headers.get(file, b"")
             file_items = _in_write_order(by_file[file], lambda it: rank_plan.placements[it.index].tensor_start)
             staged_size = sum(_chunk_bytes(it) for it in file_items) - sum(p.nbytes for p in parts)
-            path = _fsio.join(self.root, name)
+            path = fsio.join(self.root, name)
             upload_id = s3_plan.uploads.get(file)
             uploader = PartUploader(self._s3, path, upload_id) if parts and upload_id is not None else None
             s3 = self._s3
@@ -837,14 +872,14 @@ class HFStorageWriter(StorageWriter):
         # open uploads; this record tells ``hf-dcp consolidate`` which is which (and every
         # part's ETag, so it gathers nothing again).
         known = {layout.files[f].name: tuple(sorted(etags.get(f, []), key=lambda e: e["PartNumber"])) for f in sorted(self._uploads)}
-        self._put(_fsio.join(self.root, STAGING_DIR, COMPLETION_RECORD), CompletionRecord(self._save_id, known).encode())
+        self._put(fsio.join(self.root, STAGING_DIR, COMPLETION_RECORD), CompletionRecord(self._save_id, known).encode())
         try:
             for f, plan in enumerate(layout.files):
                 if f in self._completed:
                     self.merge_stats.add(plan.size, 0, 0)
                     continue
                 complete_file(
-                    self._s3, _fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, s3_parts[f],
+                    self._s3, fsio.join(self.root, plan.name), self._uploads.get(f), plan.header, s3_parts[f],
                     etags.get(f, []), by_ranks.get(f, set()), functools.partial(sources, f), lambda rank, name=plan.name: self._staged_path(name, rank),
                     threads=self.thread_count, stats=self.merge_stats,
                 )
@@ -857,19 +892,19 @@ class HFStorageWriter(StorageWriter):
         if self._s3 is not None:
             self._s3.put(path, data)  # one PUT: atomic on S3, and retried
         else:
-            _fsio.write_atomic(self.fs, path, data)
+            fsio.write_atomic(self.fs, path, data)
 
     def _staged_stream(self, path: str, size: int) -> Any:
         """A stream for one staged object that publishes it only on a clean exit."""
         if self._s3 is not None:
-            return MultipartWriter(self._s3, path, max(_fsio.part_bytes(self.fs, size), MIN_PART_BYTES))
-        return _fsio.write_stream(self.fs, path, size)
+            return MultipartWriter(self._s3, path, max(fsio.part_bytes(self.fs, size), MIN_PART_BYTES))
+        return fsio.write_stream(self.fs, path, size)
 
     def _staged_path(self, file_name: str, rank: int, *, source: bool = False) -> str:
         """Where ``rank`` stages its bytes of output file ``file_name`` (``source``: where the
         merge reads them, which differs when finishing an interrupted save elsewhere)."""
         root = self._source[1] if source and self._source is not None else self.root
-        return _fsio.join(root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
+        return fsio.join(root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
 
     def _merge(self, layout: Layout, staged: list[tuple[MetadataIndex, int, _Written]], merged: Collection[int] = ()) -> None:
         """(coordinator) Merge each file's staged objects into it, but ``merged`` (done by ranks)."""
@@ -895,7 +930,7 @@ class HFStorageWriter(StorageWriter):
 
         def merge_one(file: int) -> None:
             plan = layout.files[file]
-            out = _fsio.join(self.root, plan.name)
+            out = fsio.join(self.root, plan.name)
             merge_file(self.fs, out, plan.header, plan.size, pieces.get(file, []), source_fs=source_fs, on_bytes=self._progress.advance)
             self.merge_stats.add(plan.size, plan.size, plan.size)
 
@@ -1041,29 +1076,16 @@ def _chunk_bytes(item: WriteItem) -> int:
 
 def _create_with_header(path: str, header: bytes, size: int) -> None:
     """Create (or reuse) a file at exactly ``size`` bytes with ``header`` at its start, durably."""
-    fd = _fsio.open_rw(path, create=True)
+    fd = fsio.open_rw(path, create=True)
     try:
         os.ftruncate(fd, size)
-        _fsio.pwrite_all(fd, memoryview(header), 0)
+        fsio.pwrite_all(fd, memoryview(header), 0)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _index_json(layout: Layout, checksums: Mapping[str, int]) -> dict[str, Any]:
-    """The index a save of ``layout`` commits: the weight_map, and in its metadata the data's
-    size, each tensor's CRC32 and each file's size and header (which loaders read instead of
-    the files': one object per loading rank, not one or two per file). Pure."""
-    return {
-        "metadata": {
-            "total_size": layout.total_size,
-            CHECKSUM_ALGORITHM_KEY: CHECKSUM_ALGORITHM,
-            CHECKSUMS_KEY: {key: f"{checksums[key]:08x}" for key in sorted(checksums)},
-            HEADERS_KEY: {f.name: {"size": f.size, "header": f.header[8:].decode("utf-8")} for f in layout.files},
-        },
-        "weight_map": dict(sorted(layout.weight_map.items())),
-    }
-
-
-def _json_bytes(obj: object) -> bytes:
-    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+def _index_bytes(layout: Layout, checksums: Mapping[str, int]) -> bytes:
+    """The index file a save of ``layout`` commits (``format/index.py``'s ``index_json``). Pure."""
+    files = [(f.name, f.size, f.header) for f in layout.files]
+    return json_bytes(index_json(layout.total_size, layout.weight_map, files, checksums))

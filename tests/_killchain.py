@@ -141,7 +141,7 @@ def _bare_job(rank: int, world: int, url: str, options: dict | None, kill: tuple
 
 
 def _fresh(url: str, options: dict | None) -> tuple[Any, str]:
-    from hf_dcp_storage import _fsio
+    from hf_dcp_storage.io import fsio as _fsio
 
     opts = dict(options or {})
     if "://" in url and not url.startswith(("file://", "memory://")):
@@ -171,7 +171,7 @@ def run_facts(run_url: str, options: dict | None, verify: int | None = None) -> 
 def _tree(url: str, options: dict | None) -> dict[str, str]:
     """Every file under ``url``: relative path -> a digest of its bytes (on S3 the object's
     ETag, an MD5 of its bytes or of its parts', from one listing; elsewhere a sha256)."""
-    from hf_dcp_storage import _fsio
+    from hf_dcp_storage.io import fsio as _fsio
 
     fs, root = _fresh(url, options)
     base = root.rstrip("/") + "/"
@@ -185,7 +185,7 @@ def _tree(url: str, options: dict | None) -> dict[str, str]:
 
 def open_uploads(url: str, options: dict | None) -> list[str]:
     """Keys of unfinished multipart uploads under ``url`` (S3), else empty."""
-    from hf_dcp_storage._retry import RetryPolicy
+    from hf_dcp_storage.io.retry import RetryPolicy
     from hf_dcp_storage._s3 import s3_for
 
     fs, root = _fresh(url, options)
@@ -318,8 +318,9 @@ def _clean_save_problems(facts: dict, before: dict, clean: int) -> list[str]:
 def bare_kill(url: str, options: dict | None, moment: str, kind: str, world: int = 2) -> KillOutcome:
     """Kill a bare ``HFStorageWriter`` save to ``url`` at ``moment``; then ``hf-dcp consolidate``
     it; then save it again cleanly (see the module docstring)."""
-    from hf_dcp_storage import _fsio, verify_checkpoint
-    from hf_dcp_storage._layout import INDEX_NAME
+    from hf_dcp_storage.io import fsio as _fsio
+    from hf_dcp_storage import verify_checkpoint
+    from hf_dcp_storage.format.index import INDEX_NAME
     from hf_dcp_storage.cli import main
 
     outcome = KillOutcome(moment, kind, 0)

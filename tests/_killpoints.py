@@ -112,7 +112,7 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
     elif moment == "before-index":
         before(W, "_checksums", lambda w, layout, results: weights(w))
     elif moment == "index-written":
-        import hf_dcp_storage._fsio as fsio
+        import hf_dcp_storage.io.fsio as fsio
 
         before(fsio, "remove_tree", lambda fs, path: path.rstrip("/").endswith(writer.STAGING_DIR) and "training_state" not in path)
     elif moment == "training-state":
@@ -124,7 +124,7 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
 
         def marker_then_die(fs: Any, root: str, s: int) -> None:
             if step is not None and s < step and first_one():
-                from hf_dcp_storage import _fsio
+                from hf_dcp_storage.io import fsio as _fsio
                 from hf_dcp_storage._steps import COMMIT_MARKER, step_name
 
                 _fsio.remove(fs, _fsio.join(root, step_name(s), COMMIT_MARKER))

@@ -8,13 +8,7 @@ import zlib
 
 import pytest
 
-from hf_dcp_storage._crc import (
-    CrcAccumulator,
-    combine_contributions,
-    crc32_combine,
-    crc32_of,
-    crc32_shift,
-)
+from hf_dcp_storage.format.crc import CrcAccumulator, combine_contributions, crc32_combine, crc32_of, crc32_shift
 
 
 def _zeros_shift(crc: int, n: int) -> int:

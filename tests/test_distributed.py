@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from _data import ALL_DTYPES, DTYPE_IDS, assert_same, assert_same_files, random_tensor, read_checkpoint, seed_of
 from _dist import run_ranks
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter
-from hf_dcp_storage._staging import RankRecord, rank_record_name
+from hf_dcp_storage.io.records import RankRecord, rank_record_name
 
 pytestmark = pytest.mark.distributed
 

@@ -3,7 +3,7 @@
 fsspec filesystems are shared per process and keep a listings cache; a process that listed a
 folder (``latest()``, a save's clean-up of its destination) would otherwise answer later
 ``exists``/``ls``/``info``/``find`` from that listing after other ranks or jobs wrote into it.
-These tests pin both halves: the library asks only through ``_fsio``'s fresh queries, and on
+These tests pin both halves: the library asks only through ``io/fsio.py``'s fresh queries, and on
 S3 with the cache on (the default) one process lists, another writes, the first decides right.
 """
 
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import hf_dcp_storage
-from hf_dcp_storage import _fsio
+from hf_dcp_storage.io import fsio as _fsio
 
 # The fsspec calls that read a store's metadata or whole files (each may be answered from the
-# listings cache, or sized from it). Only _fsio.py may make them, each after ``forget``.
+# listings cache, or sized from it). Only io/fsio.py may make them, each after ``forget``.
 _METADATA_CALLS = {"exists", "lexists", "isdir", "isfile", "info", "size", "sizes", "ls", "find", "glob", "walk", "du", "cat", "cat_file", "open", "modified", "checksum", "ukey", "head", "tail", "expand_path"}
 
 
@@ -40,12 +40,12 @@ def test_only_fsio_queries_a_store_directly() -> None:
     package = pathlib.Path(hf_dcp_storage.__file__).parent
     offenders = {}
     for path in sorted(package.rglob("*.py")):
-        if path.name == "_fsio.py":
+        if path.relative_to(package).as_posix() == "io/fsio.py":
             continue
         calls = _fs_calls(ast.parse(path.read_text(), str(path)))
         if calls:
             offenders[str(path.relative_to(package))] = calls
-    assert offenders == {}, f"query the store through _fsio (fresh, never from fsspec's listings cache): {offenders}"
+    assert offenders == {}, f"query the store through io/fsio.py (fresh, never from fsspec's listings cache): {offenders}"
 
 
 def test_the_scan_sees_a_direct_call() -> None:

@@ -38,8 +38,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import hf_dcp_storage
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
-from hf_dcp_storage._header import MAX_HEADER_BYTES, NAME_TO_DTYPE, HeaderError, TensorEntry, decode_header, encode_header
-from hf_dcp_storage._hfindex import HEADER_PROBE, checksum_table, parse_index, read_header, recorded_headers
+from hf_dcp_storage.format.header import MAX_HEADER_BYTES, NAME_TO_DTYPE, HeaderError, TensorEntry, decode_header, encode_header
+from hf_dcp_storage.io.files import HEADER_PROBE, read_header
+from hf_dcp_storage.format.index import checksum_table, parse_index, recorded_headers
 from hf_dcp_storage._steps import RetentionPolicy, parse_step, step_name, to_remove
 from hf_dcp_storage.keymap import KeyMapping, KeyMappingError, Renaming, load_key_mapping
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from hf_dcp_storage._header import (
+from hf_dcp_storage.format.header import (
     MAX_HEADER_BYTES,
     NAME_TO_DTYPE,
     HeaderError,

@@ -1,4 +1,4 @@
-"""Reusable host buffers (``_hostbuf.py``): the copy pipeline that CUDA tensors go through, run
+"""Reusable host buffers (``io/hostbuf.py``): the copy pipeline that CUDA tensors go through, run
 here on CPU tensors (casts and non-contiguous sources take the same path)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from _data import read_checkpoint
 from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter
-from hf_dcp_storage._hostbuf import HostBuffers, from_host, to_host
+from hf_dcp_storage.io.hostbuf import HostBuffers, from_host, to_host
 
 
 def test_pool_makes_at_most_count_buffers_and_blocks_until_one_is_released() -> None:

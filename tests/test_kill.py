@@ -89,7 +89,7 @@ def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_ta
     import torch.distributed.checkpoint as dcp
 
     from hf_dcp_storage import HFStorageReader, consolidate_checkpoint
-    from hf_dcp_storage._layout import INDEX_NAME
+    from hf_dcp_storage.format.index import INDEX_NAME
 
     bucket, options = s3
     url = f"{bucket}/two-{uuid.uuid4().hex[:8]}"
@@ -101,7 +101,7 @@ def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_ta
     if lost:
         # A lifecycle rule (or a later save) aborted the open upload: the old object of that
         # name, the same size, must not pass for the new save's file.
-        from hf_dcp_storage._retry import RetryPolicy
+        from hf_dcp_storage.io.retry import RetryPolicy
         from hf_dcp_storage._s3 import s3_for
 
         s3 = s3_for(fs, RetryPolicy())

@@ -10,16 +10,9 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from hf_dcp_storage._header import decode_header
-from hf_dcp_storage._layout import (
-    TensorSpec,
-    chunk_runs,
-    collect_tensor_specs,
-    parse_size,
-    place_items,
-    plan_layout,
-    shard_name,
-)
+from hf_dcp_storage.format.header import decode_header
+from hf_dcp_storage._layout import TensorSpec, chunk_runs, collect_tensor_specs, parse_size, place_items, plan_layout
+from hf_dcp_storage.format.index import shard_name
 
 
 @pytest.mark.parametrize(

@@ -199,7 +199,7 @@ def test_remote_column_shard_slabs_fetch_about_16_mib_whatever_the_world_size() 
     cheaper than requests), so the reader shrinks the slab: fetched bytes per slab stay ~16 MiB."""
     from types import SimpleNamespace
 
-    from hf_dcp_storage._slabs import SLAB_BYTES, slab_bounds
+    from hf_dcp_storage.io.slabs import SLAB_BYTES, slab_bounds
     from hf_dcp_storage.reader import HFStorageReader, _Stored
 
     stored = _Stored("f.safetensors", 0, torch.bfloat16, (16384, 4096))

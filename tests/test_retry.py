@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from hf_dcp_storage import RetryPolicy
-from hf_dcp_storage._retry import RemoteOperationError, is_transient
+from hf_dcp_storage.io.retry import RemoteOperationError, is_transient
 
 
 class _ClientError(Exception):

@@ -28,7 +28,7 @@ from _checks import raises_in_checkpoint  # noqa: E402
 from _data import assert_checksums, assert_same, folder_bytes, headers_of, tensor_crc32, random_tensor, seed_of  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
-from hf_dcp_storage._header import NAME_TO_DTYPE  # noqa: E402
+from hf_dcp_storage.format.header import NAME_TO_DTYPE
 
 INDEX = "model.safetensors.index.json"
 STAGING_DIR = ".hf_dcp_staging"
@@ -390,7 +390,7 @@ def test_two_ranks_save_dtensors_to_s3_and_load_resharded(s3, s3_endpoint, tmp_p
 def test_stream_part_size_bounds_upload_buffers(s3) -> None:
     """Each open upload stream buffers one part: 8 MiB by default (s3fs would use 50 MiB), the
     user's smaller block size if set, and larger only when the part-count limit needs it."""
-    from hf_dcp_storage import _fsio
+    from hf_dcp_storage.io import fsio as _fsio
 
     bucket, options = s3
     default_fs = s3fs.S3FileSystem(**{k: v for k, v in options.items() if k != "default_block_size"})

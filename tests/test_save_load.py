@@ -14,7 +14,7 @@ from safetensors.torch import save as st_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter
-from hf_dcp_storage._header import NAME_TO_DTYPE
+from hf_dcp_storage.format.header import NAME_TO_DTYPE
 
 from _checks import raises_in_checkpoint
 from _data import headers_of, tensor_crc32

@@ -1,7 +1,7 @@
 """The soak (``_soak.py``), short: seeded fault schedules over many saves and loads, against moto.
 
 The long version is ``scripts/soak_s3.py`` (results in ``benchmarks/results/``). Below it, one
-test per bug the soak found and fixed (``_s3.py``, ``reader.py``, ``_retry.py``, ``writer.py``).
+test per bug the soak found and fixed (``_s3.py``, ``reader.py``, ``io/retry.py``, ``writer.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from _faultproxy import Fault, FaultProxy  # noqa: E402
 from _soak import BOUNDED_FIRES, KINDS, POLICY, soak  # noqa: E402
 from conftest import s3_storage_options  # noqa: E402
 from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy  # noqa: E402
-from hf_dcp_storage._retry import RemoteOperationError, is_transient  # noqa: E402
+from hf_dcp_storage.io.retry import RemoteOperationError, is_transient
 
 # The moto server only: quick to write to, and enough to find bugs (radosgw has test_s3_faults.py).
 moto_only = pytest.mark.parametrize("s3_endpoint", ["moto"], indirect=True)

@@ -2,7 +2,7 @@
 
 On S3, parts that mix several ranks' small runs are gathered by the ranks the coordinator gives
 them to, not by the coordinator; on other stores each rank merges the files it was given. The
-ranks meet on the job's key-value store before (``_arrival.py``), so a rank that failed its
+ranks meet on the job's key-value store before (``io/meeting.py``), so a rank that failed its
 own writes stops the others instead of leaving them waiting. Pure planning on synthetic plans of
 64 ranks; real saves on 3 gloo ranks to S3 (moto, radosgw) and to a staged ``file://`` folder.
 """

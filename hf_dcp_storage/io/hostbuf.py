@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._slabs import SLAB_BYTES
+from .slabs import SLAB_BYTES
 
 __all__ = ["HostBuffers", "to_host", "from_host"]
 

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._header import HeaderError, decode_header
-from ._layout import FilePlan, Layout, TensorSpec
+from .._layout import FilePlan, Layout, TensorSpec
+from ..format.header import HeaderError, decode_header
 
 __all__ = [
     "FORMAT",

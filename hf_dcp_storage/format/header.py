@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .strictjson import loads_strict
+
 __all__ = [
     "DTYPE_TO_NAME",
     "NAME_TO_DTYPE",
@@ -192,22 +194,11 @@ def _parse_json(body: bytes, where: str) -> object:
             ``sys.get_int_max_str_digits()`` digits (``ValueError``), or nesting too deep to
             decode (``RecursionError``); a corrupt file, every time.
     """
-    try:
-        return json.loads(body.decode("utf-8"), object_pairs_hook=lambda pairs: _unique(pairs, where))
-    except HeaderError:
-        raise
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise HeaderError(f"{where}: header is not valid UTF-8 JSON ({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt") from None
-
-
-def _unique(pairs: list[tuple[str, object]], where: str) -> dict[str, object]:
-    """A JSON object's pairs as a dict; a name given twice is refused."""
-    out: dict[str, object] = {}
-    for name, value in pairs:
-        if name in out:
-            raise HeaderError(f"{where}: header names {name!r} twice in one object; the file is corrupt: restore it from a copy or re-save")
-        out[name] = value
-    return out
+    return loads_strict(
+        body,
+        duplicate=lambda name: HeaderError(f"{where}: header names {name!r} twice in one object; the file is corrupt: restore it from a copy or re-save"),
+        invalid=lambda exc: HeaderError(f"{where}: header is not valid UTF-8 JSON ({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt"),
+    )
 
 
 def _entry(name: str, spec: object, where: str) -> TensorEntry:

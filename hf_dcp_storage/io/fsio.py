@@ -23,8 +23,8 @@ from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
-from fsspec.spec import AbstractBufferedFile
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
 
 __all__ = [
     "resolve",

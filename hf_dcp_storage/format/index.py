@@ -1,10 +1,10 @@
-"""Reading an HF checkpoint folder: its listing, its index json and its file headers.
+"""The Hugging Face index (``model.safetensors.index.json``) and file names: encode, decode, validate.
 
-Shared by ``HFStorageReader`` (which stops at the first defect and raises it), and by
-``inspect_checkpoint`` / ``verify_checkpoint`` (which describe a checkpoint, or list every
-defect it has). So each check lives here once, as a small function that either raises with the
-message or returns the defects it found; the strict entry points (``parse_index``,
-``parse_checksums``, ``load_weight_map``) compose them and raise the first.
+Pure: no filesystem (``io/files.py`` reads indexes and headers from a store). Shared by
+``HFStorageReader`` (which stops at the first defect and raises it), and by ``inspect`` and
+``verify`` (which describe a checkpoint, or list every defect it has). So each check lives here
+once, as a small function that either raises with the message or returns the defects it found;
+the strict entry points (``parse_index``, ``parse_checksums``) compose them and raise the first.
 
 Messages start with ``where``: the reader passes the object's URL, the inspection tools a name
 relative to the checkpoint folder.
@@ -17,26 +17,25 @@ import json
 import posixpath
 import re
 import struct
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from fsspec import AbstractFileSystem
-
-from . import _fsio
-from ._header import TensorEntry, decode_header, header_length
-from ._layout import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHM_KEY, CHECKSUMS_KEY, HEADERS_KEY, INDEX_NAME, SINGLE_FILE_NAME
-from ._retry import RetryPolicy
-from ._s3 import S3
+from .header import TensorEntry, decode_header
+from .strictjson import loads_strict
 
 __all__ = [
-    "HEADER_PROBE",
-    "ReadRange",
+    "INDEX_NAME",
+    "SINGLE_FILE_NAME",
+    "SHARD_NAME_RE",
+    "FORMAT_METADATA",
+    "CHECKSUM_ALGORITHM_KEY",
+    "CHECKSUM_ALGORITHM",
+    "CHECKSUMS_KEY",
+    "HEADERS_KEY",
+    "shard_name",
     "Index",
     "FileHeader",
-    "Folder",
-    "read_bytes",
-    "read_index",
     "decode_index_json",
     "weight_map_of",
     "file_name_problem",
@@ -44,16 +43,26 @@ __all__ = [
     "parse_checksums",
     "parse_index",
     "recorded_headers",
-    "read_header",
-    "load_weight_map",
-    "scan_folder",
+    "index_json",
+    "json_bytes",
 ]
 
-# First ranged read of every file: most headers fit, so one request usually gets the whole header.
-HEADER_PROBE = 64 << 10
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+SHARD_NAME_RE = re.compile(r"^model-(\d{5,})-of-(\d{5,})\.safetensors$")
+# What every file's ``__metadata__`` says (transformers reads it).
+FORMAT_METADATA = {"format": "pt"}
+# Index metadata entries holding each tensor's CRC32 (8 hex digits) of its bytes in its file.
+CHECKSUM_ALGORITHM_KEY = "checksum_algorithm"
+CHECKSUM_ALGORITHM = "crc32"
+CHECKSUMS_KEY = "checksums"
+# The index's copy of every file's header (its size and header JSON), so that a loader reads one object, not every file.
+HEADERS_KEY = "headers"
 
-# ``read_range(path, start, end) -> bytes [start, end)`` (fewer only if the file is shorter).
-ReadRange = Callable[[str, int, int], bytes]
+
+def shard_name(index: int, total: int) -> str:
+    """``model-00001-of-00004.safetensors`` for the 1-based ``index`` of ``total`` files."""
+    return f"model-{index:05d}-of-{total:05d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -98,54 +107,6 @@ class FileHeader:
         return self.data_start + (self.entries[-1].end if self.entries else 0)
 
 
-@dataclass(frozen=True)
-class Folder:
-    """One listing of a folder: every file under it (recursively) with its size, and its sub-folders.
-
-    Paths are relative to the folder (``a``, ``sub/b``). Object stores have no real folders: a
-    sub-folder there is any prefix that some file name has.
-    """
-
-    files: dict[str, int]
-    dirs: frozenset[str] = field(default_factory=frozenset)
-
-    def top_files(self) -> list[str]:
-        """Names of the files directly in the folder, sorted."""
-        return sorted(name for name in self.files if "/" not in name)
-
-    def has_dir(self, name: str) -> bool:
-        """Whether sub-folder ``name`` exists (an empty one only where the store keeps folders)."""
-        return name in self.dirs or any(f.startswith(name + "/") for f in self.files)
-
-    def sub(self, name: str) -> Folder:
-        """The listing of sub-folder ``name``, from this one (no request)."""
-        base = name + "/"
-        return Folder(
-            {f[len(base) :]: size for f, size in self.files.items() if f.startswith(base)},
-            frozenset(d[len(base) :] for d in self.dirs if d.startswith(base)),
-        )
-
-
-def read_bytes(fs: AbstractFileSystem, path: str, start: int, end: int, *, retry: RetryPolicy, s3: S3 | None = None) -> bytes:
-    """Bytes ``[start, end)`` of ``path`` (fewer only if the file is shorter), retried on
-    transient failures: S3's own client when ``s3`` is given, else fsspec."""
-    if s3 is not None:
-        return s3.get_range(path, start, end)
-    return retry.call(lambda: _fsio.read_range(fs, path, start, end), operation=f"read bytes {start}-{end - 1} of", url=_fsio.url_of(fs, path))
-
-
-def read_index(fs: AbstractFileSystem, root: str) -> bytes | None:
-    """The raw index json of the checkpoint at ``root``, or ``None`` if it has none."""
-    try:
-        return _fsio.read_all(fs, _fsio.join(root, INDEX_NAME))
-    except FileNotFoundError:
-        return None
-
-
-class _DuplicateName(ValueError):
-    """A JSON object of the index names one key twice."""
-
-
 def decode_index_json(raw: bytes, where: str) -> Any:
     """The index json decoded.
 
@@ -154,25 +115,14 @@ def decode_index_json(raw: bytes, where: str) -> Any:
             keep the last silently, another tool the first); or JSON Python will not build (an
             int past ``sys.get_int_max_str_digits()`` digits, nesting too deep to decode).
     """
-    try:
-        return json.loads(raw, object_pairs_hook=lambda pairs: _unique(pairs, where))
-    except _DuplicateName:
-        raise
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ValueError(f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); restore the index from a copy or re-save") from None
-
-
-def _unique(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
-    """A JSON object's pairs as a dict; a name given twice is refused."""
-    out: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in out:
-            raise _DuplicateName(
-                f"{where}: names {name!r} twice in one object, so which value holds is ambiguous; "
-                f"keep one of them (an index written by a save never repeats a name)"
-            )
-        out[name] = value
-    return out
+    return loads_strict(
+        raw,
+        duplicate=lambda name: ValueError(
+            f"{where}: names {name!r} twice in one object, so which value holds is ambiguous; "
+            f"keep one of them (an index written by a save never repeats a name)"
+        ),
+        invalid=lambda exc: ValueError(f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); restore the index from a copy or re-save"),
+    )
 
 
 def weight_map_of(index: Any, where: str) -> dict[str, str]:
@@ -311,81 +261,24 @@ def parse_index(raw: bytes, where: str) -> Index:
     return Index(weight_map, parse_checksums(metadata, where), metadata if isinstance(metadata, dict) else {})
 
 
-def read_header(
-    fs: AbstractFileSystem, root: str, file: str, read_range: ReadRange, *, size: int | None = None, where: str | None = None
-) -> FileHeader:
-    """Read and validate the header of ``root/file``: one ``HEADER_PROBE`` ranged read, and a
-    second only for a larger header. Never reads tensor data.
-
-    Args:
-        size: the file's size when a listing already gave it (saves a request), else asked for.
-        where: the name in messages; default the file's URL.
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        HeaderError: a malformed header, or one that does not fit the file (truncated).
-    """
-    path = _fsio.join(root, file)
-    where = where or _fsio.url_of(fs, path)
-    if size is None:
-        try:
-            size = _fsio.size(fs, path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{where}: file named by the checkpoint index does not exist") from None
-    raw = read_range(path, 0, min(size, HEADER_PROBE))
-    n = header_length(raw, file_size=size, where=where)
-    if len(raw) < 8 + n:
-        raw += read_range(path, len(raw), 8 + n)
-    entries, metadata, data_start = decode_header(raw, file_size=size, where=where)
-    return FileHeader(entries, metadata, data_start, size)
+def index_json(
+    total_size: int, weight_map: Mapping[str, str], files: Sequence[tuple[str, int, bytes]], checksums: Mapping[str, int]
+) -> dict[str, Any]:
+    """The index a save commits: the ``weight_map``, and in its metadata the data's size, each
+    tensor's CRC32 and each file's size and header (``files``: ``(name, size, encoded header)``),
+    which loaders read instead of the files': one object per loading rank, not one or two per
+    file."""
+    return {
+        "metadata": {
+            "total_size": total_size,
+            CHECKSUM_ALGORITHM_KEY: CHECKSUM_ALGORITHM,
+            CHECKSUMS_KEY: {key: f"{checksums[key]:08x}" for key in sorted(checksums)},
+            HEADERS_KEY: {name: {"size": size, "header": header[8:].decode("utf-8")} for name, size, header in files},
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
 
 
-def load_weight_map(fs: AbstractFileSystem, root: str, read_range: ReadRange) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
-    """``key -> file``, the recorded checksums and the recorded headers (``recorded_headers``)
-    from the index json, or from the single ``model.safetensors`` (no checksums; its header), for
-    a loader.
-
-    Raises:
-        FileNotFoundError: neither an index nor ``model.safetensors``.
-        ValueError: a malformed index or header.
-    """
-    raw = read_index(fs, root)
-    if raw is None:
-        if not _fsio.exists(fs, _fsio.join(root, SINGLE_FILE_NAME)):
-            raise FileNotFoundError(
-                f"{_fsio.url_of(fs, root)} is not an HF checkpoint: it has neither {INDEX_NAME} "
-                f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder that holds them"
-            )
-        header = read_header(fs, root, SINGLE_FILE_NAME, read_range)
-        return {e.name: SINGLE_FILE_NAME for e in header.entries}, None, {SINGLE_FILE_NAME: header}
-    where = _fsio.url_of(fs, _fsio.join(root, INDEX_NAME))
-    index = parse_index(raw, where)
-    return index.weight_map, index.checksums, recorded_headers(index.metadata, sorted(set(index.weight_map.values())), where)
-
-
-def scan_folder(fs: AbstractFileSystem, root: str) -> Folder | None:
-    """One recursive listing of ``root`` with sizes (on S3 one paginated LIST), never from a
-    cache: another process may have changed the folder since this one last looked.
-
-    Returns:
-        The listing, or ``None`` when ``root`` does not exist or is a file.
-    """
-    try:
-        found: Mapping[str, Mapping[str, Any]] = _fsio.find_entries(fs, root, withdirs=True)
-    except FileNotFoundError:  # s3fs: a missing bucket
-        return None
-    base = root.rstrip("/") + "/"
-    files: dict[str, int] = {}
-    dirs: set[str] = set()
-    for path, info in found.items():
-        if not path.startswith(base):
-            continue  # the root itself
-        rel = path[len(base) :]
-        if info.get("type") == "directory" or rel.endswith("/"):  # S3 folder placeholders end in "/"
-            dirs.add(rel.rstrip("/"))
-        else:
-            files[rel] = int(info.get("size") or 0)
-    # An empty listing is an empty folder or no folder at all; only then ask which.
-    if not files and not dirs and not _fsio.isdir(fs, root):
-        return None
-    return Folder(files, frozenset(dirs))
+def json_bytes(obj: object) -> bytes:
+    """``obj`` as the index file's bytes: indented UTF-8 JSON and a newline."""
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")

@@ -1,0 +1,156 @@
+"""Reading an HF checkpoint from a store: its listing, its index json and its files' headers.
+
+What is read is decoded and checked by ``format/`` (``format/index.py``, ``format/header.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+from .._s3 import S3
+from ..format.header import decode_header, header_length
+from ..format.index import (
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    FileHeader,
+    parse_index,
+    recorded_headers,
+)
+from . import fsio
+from .retry import RetryPolicy
+
+__all__ = ["HEADER_PROBE", "ReadRange", "Folder", "read_bytes", "read_index", "read_header", "load_weight_map", "scan_folder"]
+
+# First ranged read of every file: most headers fit, so one request usually gets the whole header.
+HEADER_PROBE = 64 << 10
+
+# ``read_range(path, start, end) -> bytes [start, end)`` (fewer only if the file is shorter).
+ReadRange = Callable[[str, int, int], bytes]
+
+
+@dataclass(frozen=True)
+class Folder:
+    """One listing of a folder: every file under it (recursively) with its size, and its sub-folders.
+
+    Paths are relative to the folder (``a``, ``sub/b``). Object stores have no real folders: a
+    sub-folder there is any prefix that some file name has.
+    """
+
+    files: dict[str, int]
+    dirs: frozenset[str] = field(default_factory=frozenset)
+
+    def top_files(self) -> list[str]:
+        """Names of the files directly in the folder, sorted."""
+        return sorted(name for name in self.files if "/" not in name)
+
+    def has_dir(self, name: str) -> bool:
+        """Whether sub-folder ``name`` exists (an empty one only where the store keeps folders)."""
+        return name in self.dirs or any(f.startswith(name + "/") for f in self.files)
+
+    def sub(self, name: str) -> Folder:
+        """The listing of sub-folder ``name``, from this one (no request)."""
+        base = name + "/"
+        return Folder(
+            {f[len(base) :]: size for f, size in self.files.items() if f.startswith(base)},
+            frozenset(d[len(base) :] for d in self.dirs if d.startswith(base)),
+        )
+
+
+def read_bytes(fs: AbstractFileSystem, path: str, start: int, end: int, *, retry: RetryPolicy, s3: S3 | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``path`` (fewer only if the file is shorter), retried on
+    transient failures: S3's own client when ``s3`` is given, else fsspec."""
+    if s3 is not None:
+        return s3.get_range(path, start, end)
+    return retry.call(lambda: fsio.read_range(fs, path, start, end), operation=f"read bytes {start}-{end - 1} of", url=fsio.url_of(fs, path))
+
+
+def read_index(fs: AbstractFileSystem, root: str) -> bytes | None:
+    """The raw index json of the checkpoint at ``root``, or ``None`` if it has none."""
+    try:
+        return fsio.read_all(fs, fsio.join(root, INDEX_NAME))
+    except FileNotFoundError:
+        return None
+
+
+def read_header(
+    fs: AbstractFileSystem, root: str, file: str, read_range: ReadRange, *, size: int | None = None, where: str | None = None
+) -> FileHeader:
+    """Read and validate the header of ``root/file``: one ``HEADER_PROBE`` ranged read, and a
+    second only for a larger header. Never reads tensor data.
+
+    Args:
+        size: the file's size when a listing already gave it (saves a request), else asked for.
+        where: the name in messages; default the file's URL.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        HeaderError: a malformed header, or one that does not fit the file (truncated).
+    """
+    path = fsio.join(root, file)
+    where = where or fsio.url_of(fs, path)
+    if size is None:
+        try:
+            size = fsio.size(fs, path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{where}: file named by the checkpoint index does not exist") from None
+    raw = read_range(path, 0, min(size, HEADER_PROBE))
+    n = header_length(raw, file_size=size, where=where)
+    if len(raw) < 8 + n:
+        raw += read_range(path, len(raw), 8 + n)
+    entries, metadata, data_start = decode_header(raw, file_size=size, where=where)
+    return FileHeader(entries, metadata, data_start, size)
+
+
+def load_weight_map(fs: AbstractFileSystem, root: str, read_range: ReadRange) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
+    """``key -> file``, the recorded checksums and the recorded headers (``recorded_headers``)
+    from the index json, or from the single ``model.safetensors`` (no checksums; its header), for
+    a loader.
+
+    Raises:
+        FileNotFoundError: neither an index nor ``model.safetensors``.
+        ValueError: a malformed index or header.
+    """
+    raw = read_index(fs, root)
+    if raw is None:
+        if not fsio.exists(fs, fsio.join(root, SINGLE_FILE_NAME)):
+            raise FileNotFoundError(
+                f"{fsio.url_of(fs, root)} is not an HF checkpoint: it has neither {INDEX_NAME} "
+                f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder that holds them"
+            )
+        header = read_header(fs, root, SINGLE_FILE_NAME, read_range)
+        return {e.name: SINGLE_FILE_NAME for e in header.entries}, None, {SINGLE_FILE_NAME: header}
+    where = fsio.url_of(fs, fsio.join(root, INDEX_NAME))
+    index = parse_index(raw, where)
+    return index.weight_map, index.checksums, recorded_headers(index.metadata, sorted(set(index.weight_map.values())), where)
+
+
+def scan_folder(fs: AbstractFileSystem, root: str) -> Folder | None:
+    """One recursive listing of ``root`` with sizes (on S3 one paginated LIST), never from a
+    cache: another process may have changed the folder since this one last looked.
+
+    Returns:
+        The listing, or ``None`` when ``root`` does not exist or is a file.
+    """
+    try:
+        found: Mapping[str, Mapping[str, Any]] = fsio.find_entries(fs, root, withdirs=True)
+    except FileNotFoundError:  # s3fs: a missing bucket
+        return None
+    base = root.rstrip("/") + "/"
+    files: dict[str, int] = {}
+    dirs: set[str] = set()
+    for path, info in found.items():
+        if not path.startswith(base):
+            continue  # the root itself
+        rel = path[len(base) :]
+        if info.get("type") == "directory" or rel.endswith("/"):  # S3 folder placeholders end in "/"
+            dirs.add(rel.rstrip("/"))
+        else:
+            files[rel] = int(info.get("size") or 0)
+    # An empty listing is an empty folder or no folder at all; only then ask which.
+    if not files and not dirs and not fsio.isdir(fs, root):
+        return None
+    return Folder(files, frozenset(dirs))
