@@ -5,7 +5,7 @@ Llama 8B-405B over up to 8,192 ranks, in one process from shapes alone.
         --md-out benchmarks/results/2026-11_compact-cpu-2core.md
 
 Each case runs in a fresh process, phase by phase, as ``dcp.save`` runs them with
-``HFStorageWriter`` on a local path (``_compact.py``):
+``HFStorageWriter`` on a local path (``plan/compact.py``):
 
 1. ranks (one after another; not coordinator time): the ``SavePlan`` ``DefaultSavePlanner`` makes
    from the rank's DTensor shards (``_synthetic_plans``, equal to DCP's own: ``tests/test_scale.py``),
@@ -55,11 +55,11 @@ from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: 
 from bench_scale import _case_name, _fake_upload_id, _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib, report, task_ranks  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
-from hf_dcp_storage._compact import check_and_dedup, gather, table_plans  # noqa: E402
+from hf_dcp_storage.plan.compact import check_and_dedup, gather, table_plans
 from hf_dcp_storage.io.fsio import STREAM_PART_BYTES
-from hf_dcp_storage._layout import plan_layout  # noqa: E402
-from hf_dcp_storage._placed import place_chunks  # noqa: E402
-from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
+from hf_dcp_storage.plan.layout import plan_layout
+from hf_dcp_storage.plan.placed import place_chunks
+from hf_dcp_storage.plan.s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart
 from hf_dcp_storage.writer import _PACKED, _index_bytes, _plan_tasks, _RankPlan, _whole_tensors, _WrittenRows  # noqa: E402
 from hf_dcp_storage.writer import _rank_plans as writer_rank_plans  # noqa: E402
 

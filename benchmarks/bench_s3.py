@@ -216,7 +216,7 @@ def project_client_fraction(spec, world: int, header_len: int = 16 << 10) -> flo
     ``plan_file_parts`` on the file's byte runs and their owners. A run of one rank shorter than
     S3's 5 MiB minimum part is staged, then gathered (by the ranks)."""
     try:
-        from hf_dcp_storage._s3parts import GatherPart, plan_file_parts
+        from hf_dcp_storage.plan.s3parts import GatherPart, plan_file_parts
     except ImportError:
         return None
     runs, pos = [], header_len

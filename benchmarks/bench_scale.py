@@ -7,7 +7,7 @@ simulated in one process from shapes alone (no tensors, no process group, no sto
 Each case (model, ranks N, tensor-parallel degree) runs in a fresh process, phase by phase, as
 ``dcp.save`` and ``dcp.load`` would run them with ``HFStorageWriter``/``HFStorageReader``, with
 the object plans DCP gathers by default. Local-disk saves no longer use them: they send compact
-plans (``_compact.py``), measured by ``bench_compact.py``; here ``local`` is the object path's
+plans (``plan/compact.py``), measured by ``bench_compact.py``; here ``local`` is the object path's
 direct-write planning, kept for comparison, and ``s3`` is what S3 saves run:
 
 1. ranks (simulated one after another; not coordinator time): each builds the ``SavePlan``
@@ -80,10 +80,10 @@ from hf_dcp_storage import HFLoadPlanner, HFStorageReader, HFStorageWriter  # no
 from hf_dcp_storage.format.index import recorded_headers
 from hf_dcp_storage.io.fsio import STREAM_PART_BYTES
 from hf_dcp_storage.format.index import INDEX_NAME
-from hf_dcp_storage._layout import Layout, collect_tensor_specs, element_size, place_items, plan_layout
-from hf_dcp_storage._s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart  # noqa: E402
+from hf_dcp_storage.plan.layout import Layout, collect_tensor_specs, element_size, place_items, plan_layout
+from hf_dcp_storage.plan.s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart
 from hf_dcp_storage.io.records import SaveRecord
-from hf_dcp_storage._placed import place_items as place_written  # noqa: E402
+from hf_dcp_storage.plan.placed import place_items as place_written
 from hf_dcp_storage.writer import _index_bytes, _plan_tasks, _rank_plans as writer_rank_plans  # noqa: E402
 
 __all__ = ["OurPlan", "plan_ours", "dcp_global_plan", "dcp_validate", "validate_comparisons", "calibrate_validate", "bytes_per_rank", "s3_requests", "main"]

@@ -2,25 +2,23 @@
 
 Used where the store has no positioned writes (object stores, ``memory://``): each rank
 streamed its chunks of an output file, in chunk byte order, into one staged object; the rank
-given the file (``_spread``; the coordinator when finishing an interrupted save) walks the
+given the file (``plan/spread.py``; the coordinator when finishing an interrupted save) walks the
 output file front to back and copies each byte run from the staged object that holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import os
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ._layout import chunk_runs
 from .io import fsio
+from .plan.merge import StagedPiece, merge_segments
 
-__all__ = ["StagedPiece", "merge_segments", "merge_file", "COPY_BYTES"]
+__all__ = ["merge_file", "COPY_BYTES"]
 
 # Bytes moved per read/write while copying: bounds the merge's memory per thread.
 COPY_BYTES = 8 << 20
@@ -31,44 +29,6 @@ COPY_BYTES = 8 << 20
 # still serves several).
 _READ_BLOCKS_BUDGET = 256 << 20
 _MIN_BLOCK = 256 << 10
-
-
-@dataclass(frozen=True)
-class StagedPiece:
-    """One write item's bytes inside a staged object, and where its tensor lives in the output."""
-
-    path: str
-    tensor_start: int
-    staged_offset: int
-    shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    itemsize: int
-
-
-def merge_segments(pieces: Iterable[StagedPiece]) -> Iterator[tuple[int, str, int, int]]:
-    """``(output_offset, staged_path, staged_offset, nbytes)`` in output order, adjacent runs joined.
-
-    Runs of different pieces interleave (column shards alternate by row), so the pieces' run
-    streams are merged lazily by output offset; memory stays one pending run per piece.
-    """
-    streams = [_piece_runs(p) for p in pieces]
-    current: tuple[int, str, int, int] | None = None
-    for seg in heapq.merge(*streams):
-        if current is not None:
-            off, path, soff, n = current
-            if seg[1] == path and seg[0] == off + n and seg[2] == soff + n:
-                current = (off, path, soff, n + seg[3])
-                continue
-            yield current
-        current = seg
-    if current is not None:
-        yield current
-
-
-def _piece_runs(p: StagedPiece) -> Iterator[tuple[int, str, int, int]]:
-    for t, c, n in chunk_runs(p.shape, p.offsets, p.sizes, p.itemsize):
-        yield p.tensor_start + t, p.path, p.staged_offset + c, n
 
 
 def merge_file(

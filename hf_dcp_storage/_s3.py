@@ -8,11 +8,11 @@ failures are transient, and fails with a message naming the operation and the ob
 
 Consolidation costs almost nothing here: every consolidated file is one multipart upload
 created by the coordinator before any rank writes, and each rank uploads the parts that hold
-only its own bytes straight into it (``PartUploader``; the part plan is ``_s3parts``). Those
+only its own bytes straight into it (``PartUploader``; the part plan is ``plan/s3parts.py``). Those
 bytes are sent once, by the rank that has them, and never copied or downloaded again. Only runs
 too small to be a part of their own (S3 parts hold at least 5 MiB, but the last) are staged
 (``MultipartWriter``) and gathered into parts (``gather_bytes``) by the ranks the coordinator
-gave them to (``_spread``); the coordinator then completes the upload (``complete_file``).
+gave them to (``plan/spread.py``); the coordinator then completes the upload (``complete_file``).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
-from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart
-from ._spread import Source
 from .io.parallel import parallel_map
 from .io.retry import RetryPolicy
+from .plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
+from .plan.spread import Source
 
 __all__ = ["S3", "s3_for", "abort_uploads_under", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file", "gather_bytes"]
 

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ._layout import Layout
 from ._progress import NO_PROGRESS, Progress
 from ._s3 import multipart_etag
 from .format.index import INDEX_NAME
@@ -42,10 +41,10 @@ from .io.records import (
     CompletionRecord,
     RankRecord,
     SaveRecord,
-    layout_from_files,
     rank_record_name,
 )
 from .io.retry import RetryPolicy
+from .plan.layout import Layout, layout_from_files
 from .writer import _FINISHED, STAGING_DIR, HFStorageWriter, _Finished, _Written
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]

@@ -58,13 +58,13 @@ from torch.distributed.checkpoint.storage import (
     WriteResult,
 )
 
-from ._layout import element_size
 from ._progress import NO_PROGRESS, Progress
 from .format.header import DTYPE_TO_NAME
 from .format.index import INDEX_NAME, SINGLE_FILE_NAME
 from .io import fsio
 from .io.parallel import parallel_map
 from .keymap import KeyMapping, KeyMappingError, Renaming, load_key_mapping
+from .plan.layout import element_size
 from .reader import HFStorageReader
 from .writer import HFStorageWriter
 

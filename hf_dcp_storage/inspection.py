@@ -25,7 +25,6 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ._layout import element_size
 from ._s3 import s3_for
 from ._steps import COMMIT_MARKER, parse_step
 from .format.header import DTYPE_TO_NAME, HeaderError
@@ -40,15 +39,10 @@ from .io.files import (
     scan_folder,
 )
 from .io.parallel import parallel_map
-from .io.records import (
-    SAVE_RECORD,
-    RecordError,
-    SaveRecord,
-    layout_from_files,
-    rank_record_name,
-)
+from .io.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
 from .io.retry import RetryPolicy
 from .manager import TRAINING_STATE_DIR
+from .plan.layout import element_size, layout_from_files
 from .writer import STAGING_DIR
 
 __all__ = [
@@ -412,7 +406,7 @@ def _planned_save(fs: AbstractFileSystem, root: str, folder: Folder, record: str
     try:
         save = SaveRecord.decode(fsio.read_all(fs, fsio.join(root, record)), record)
         layout = layout_from_files(save.files, record)
-    except RecordError as exc:
+    except (RecordError, HeaderError) as exc:
         return f"unreadable save record, left out: {exc}"
     done = [r for r in range(save.world_size) if f"{STAGING_DIR}/{rank_record_name(r)}" in folder.files]
     missing = sorted(set(range(save.world_size)) - set(done))

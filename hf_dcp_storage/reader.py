@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ._layout import chunk_runs, element_size
 from ._s3 import S3, s3_for
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
@@ -33,6 +32,7 @@ from .io.hostbuf import HostBuffers, from_host
 from .io.parallel import parallel_map
 from .io.retry import RetryPolicy
 from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
+from .plan.layout import chunk_runs, element_size
 
 __all__ = ["HFStorageReader", "coalesce"]
 
@@ -335,7 +335,7 @@ class HFStorageReader(StorageReader):
             view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
 
     def _weight_map(self) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
-        """``key -> file``, the recorded checksums and headers (``_hfindex.load_weight_map``).
+        """``key -> file``, the recorded checksums and headers (``io/files.py``: ``load_weight_map``).
 
         Retried as a whole: the index (and a folder's listing) is read through fsspec, and s3fs
         retries neither a 500 nor a connection reset. A permanent failure keeps its own error.

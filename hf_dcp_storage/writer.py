@@ -33,26 +33,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ._compact import (
-    LocalChunks,
-    TablePlan,
-    check_and_dedup,
-    encode_local,
-    gather,
-    table_plans,
-    xor_shares,
-)
-from ._layout import (
-    Layout,
-    Placement,
-    chunk_runs,
-    element_size,
-    parse_size,
-    plan_layout,
-)
-from ._merge import StagedPiece, merge_file
-from ._packed import PackedTuple
-from ._placed import PlacedChunks, place_chunks, place_items
+from ._merge import merge_file
 from ._progress import NO_PROGRESS, Progress
 from ._s3 import (
     MergeStats,
@@ -64,9 +45,6 @@ from ._s3 import (
     gather_bytes,
     s3_for,
 )
-from ._s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
-from ._s3plan import S3Plan, plan_s3
-from ._spread import GatherTask, GatherTasks, MergeTask, assign, merge_tasks
 from .format.crc import CrcAccumulator
 from .format.header import dtype_name
 from .format.index import (
@@ -90,6 +68,29 @@ from .io.records import (
 )
 from .io.retry import RetryPolicy
 from .io.slabs import as_bytes, slab_bounds, sub_chunk
+from .plan.compact import (
+    LocalChunks,
+    TablePlan,
+    check_and_dedup,
+    encode_local,
+    gather,
+    table_plans,
+    xor_shares,
+)
+from .plan.layout import (
+    Layout,
+    Placement,
+    chunk_runs,
+    element_size,
+    parse_size,
+    plan_layout,
+)
+from .plan.merge import StagedPiece
+from .plan.packed import PackedTuple
+from .plan.placed import PlacedChunks, place_chunks, place_items
+from .plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
+from .plan.s3plan import S3Plan, plan_s3
+from .plan.spread import GatherTask, GatherTasks, MergeTask, assign, merge_tasks
 
 __all__ = ["HFStorageWriter", "STAGING_DIR"]
 
@@ -111,9 +112,9 @@ class _RankPlan:
     placements: Mapping[MetadataIndex, Placement]
     s3: _S3RankPlan | None = None
     # Where each row of the rank's key table goes, which the rank turns into ``placements`` for
-    # the write items it kept (``_compact.py``); set by every save.
+    # the write items it kept (``plan/compact.py``); set by every save.
     table: TablePlan | None = None
-    # The save's finishing work this rank does once every rank has staged (``_spread.py``), and
+    # The save's finishing work this rank does once every rank has staged (``plan/spread.py``), and
     # whether the ranks meet before it (on a save of several ranks where any rank has tasks).
     tasks: GatherTasks | tuple[MergeTask, ...] = ()
     world: int = 1
@@ -178,13 +179,13 @@ class HFStorageWriter(StorageWriter):
 
     1. (all ranks) ``prepare_local_plan``: rejects non-tensor values and unsupported dtypes
        before anything is written. The rank keeps its write items and sends only their chunks,
-       as arrays (``_compact.py``): the coordinator's planning then costs microseconds per rank,
+       as arrays (``plan/compact.py``): the coordinator's planning then costs microseconds per rank,
        not DCP's object gather and pairwise overlap check.
     2. (coordinator) ``prepare_global_plan``: computes the complete layout from every rank's
        chunks (file of each key, headers, byte position of every chunk; it checks that each
        tensor's chunks tile it and picks one writer per replicated chunk, spreading them by
        bytes; without positioned writes it places every chunk in its rank's staged objects and
-       spreads the finishing work, ``_placed.py``, ``_spread.py``), refuses to replace a complete checkpoint unless
+       spreads the finishing work, ``plan/placed.py``, ``plan/spread.py``), refuses to replace a complete checkpoint unless
        ``overwrite=True``, and on local disk creates every file at its final size with its
        header; on S3 it plans every file's multipart parts and creates the uploads. It records
        the plan in ``.hf_dcp_staging/save.json`` (``io/records.py``).
@@ -195,7 +196,7 @@ class HFStorageWriter(StorageWriter):
        object per output file. Once its bytes are durable, each rank records what it wrote
        (``.hf_dcp_staging/rankNNNNN.json``). Then, where bytes were staged, the ranks wait for
        each other (on the job's key-value store, ``io/meeting.py``) and each does its share of the
-       finishing work the coordinator spread by bytes (``_spread.py``): on S3 it assembles
+       finishing work the coordinator spread by bytes (``plan/spread.py``): on S3 it assembles
        gathered parts from the staged runs and uploads them; elsewhere it merges whole files.
     4. (coordinator) ``finish``: on S3 completes the uploads; then writes the index, and removes
        ``.hf_dcp_staging/``. If the coordinator dies before the index, the records let
@@ -301,7 +302,7 @@ class HFStorageWriter(StorageWriter):
         # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.
         self._local: tuple[list[WriteItem], LocalChunks] | None = None
         self._tables: tuple[list[Any], Any] | None = None
-        # The save's id, and whether its ranks meet in write_data (``_arrival``): the coordinator
+        # The save's id, and whether its ranks meet in write_data (``io/meeting.py``): the coordinator
         # drops the meeting's keys in ``finish``.
         self._save_id = ""
         self._meets = False
@@ -341,7 +342,7 @@ class HFStorageWriter(StorageWriter):
         """(all ranks) Reject what safetensors cannot hold, before anything is written.
 
         The plan DCP gathers carries no write items: the rank keeps them and sends their chunks
-        as arrays (``_compact.LocalChunks``), a few KiB instead of ~2 KiB per item. DCP's own
+        as arrays (``plan/compact.LocalChunks``), a few KiB instead of ~2 KiB per item. DCP's own
         planner then sees empty plans (nothing to deduplicate or validate);
         ``prepare_global_plan`` does both, linearly, and plans every store's work from the arrays.
         """
@@ -986,7 +987,7 @@ def _meets(tasks: list[GatherTasks] | list[list[MergeTask]] | None) -> bool:
 
 def _plan_tasks(layout: Layout, mode: str, placed: PlacedChunks | None, world: int, threads: int = 1) -> tuple[S3Plan | None, list[GatherTasks] | list[list[MergeTask]] | None]:
     """(coordinator) The finishing work of a save on an object store, spread over its ranks by
-    bytes (``_spread.assign``): on S3 each gathered part (and every file's parts), elsewhere each
+    bytes (``plan/spread.assign``): on S3 each gathered part (and every file's parts), elsewhere each
     file to merge (packed on ``threads`` threads), given to the rank with the fewest bytes so
     far, counting each rank's own bytes. ``(None, None)`` in direct mode (nothing to finish).
     Pure."""
@@ -1052,7 +1053,7 @@ def _rank_record(rank_plan: _RankPlan, items: list[WriteItem], results: list[Wri
 
 def _in_write_order(items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]) -> list[WriteItem]:
     """A rank's items of one file in output order (by the chunk's first byte: for chunks of one
-    tensor, the order of their offsets), the order it stages them in; ``_placed`` sorts alike."""
+    tensor, the order of their offsets), the order it stages them in; ``plan/placed.py`` sorts alike."""
     return sorted(items, key=lambda it: (tensor_start(it), _chunk_offsets(it)))
 
 

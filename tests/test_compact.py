@@ -1,4 +1,4 @@
-"""Compact save plans (``_compact.py``): what the coordinator plans from arrays equals what it
+"""Compact save plans (``plan/compact.py``): what the coordinator plans from arrays equals what it
 plans from DCP's own write items, chunks that do not tile a tensor are refused, and replicated
 chunks get exactly one writer, spread over the ranks."""
 
@@ -23,9 +23,9 @@ from bench_scale import dcp_global_plan  # noqa: E402
 
 from _dist import run_ranks  # noqa: E402
 from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
-from hf_dcp_storage._compact import check_and_dedup, encode_local, gather, table_plans  # noqa: E402
-from hf_dcp_storage._layout import collect_tensor_specs, place_items, plan_layout  # noqa: E402
-from hf_dcp_storage._placed import stable_order  # noqa: E402
+from hf_dcp_storage.plan.compact import check_and_dedup, encode_local, gather, table_plans
+from hf_dcp_storage.plan.layout import collect_tensor_specs, place_items, plan_layout
+from hf_dcp_storage.plan.placed import stable_order
 
 UNEVEN = LlamaConfig(layers=2, hidden=7, intermediate=10, kv_dim=3, vocab=11)
 

@@ -27,7 +27,8 @@ from _data import folder_bytes, random_tensor, seed_of
 from _dist import run_ranks
 from hf_dcp_storage import HFStorageWriter
 from hf_dcp_storage.format.header import TensorEntry, encode_header
-from hf_dcp_storage.io.records import ItemRecord, RankRecord, RecordError, SaveRecord, layout_from_files
+from hf_dcp_storage.io.records import ItemRecord, RankRecord, RecordError, SaveRecord
+from hf_dcp_storage.plan.layout import layout_from_files
 from hf_dcp_storage import writer as writer_module
 from hf_dcp_storage.consolidate import consolidate_checkpoint
 from hf_dcp_storage.inspection import inspect_checkpoint

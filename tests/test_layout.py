@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from hf_dcp_storage.format.header import decode_header
-from hf_dcp_storage._layout import TensorSpec, chunk_runs, collect_tensor_specs, parse_size, place_items, plan_layout
+from hf_dcp_storage.plan.layout import TensorSpec, chunk_runs, collect_tensor_specs, parse_size, place_items, plan_layout
 from hf_dcp_storage.format.index import shard_name
 
 

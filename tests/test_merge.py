@@ -10,7 +10,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 import pytest
 import torch
 
-from hf_dcp_storage._merge import StagedPiece, merge_file, merge_segments
+from hf_dcp_storage.plan.merge import StagedPiece, merge_segments
+from hf_dcp_storage._merge import merge_file
 
 
 def _column_pieces(root: str, rows: int = 3, cols: int = 4) -> tuple[list[StagedPiece], bytes, dict[str, bytes]]:

@@ -6,7 +6,7 @@ import pickle
 
 import numpy as np
 
-from hf_dcp_storage._packed import PackedArray, PackedTuple, packed_array
+from hf_dcp_storage.plan.packed import PackedArray, PackedTuple, packed_array
 
 
 def test_a_packed_tuple_reads_and_round_trips_as_the_tuple() -> None:

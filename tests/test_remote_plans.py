@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dcp_storage._layout import chunk_runs
-from hf_dcp_storage._s3parts import GATHER_PART_BYTES, MAX_PART_BYTES, MIN_PART_BYTES, GatherPart, RankPart, gather_part_bytes, plan_file_parts, route_run
-from hf_dcp_storage._spread import assign
+from hf_dcp_storage.plan.layout import chunk_runs
+from hf_dcp_storage.plan.s3parts import (
+    GATHER_PART_BYTES,
+    MAX_PART_BYTES,
+    MIN_PART_BYTES,
+    GatherPart,
+    RankPart,
+    gather_part_bytes,
+    plan_file_parts,
+    route_run,
+)
+from hf_dcp_storage.plan.spread import assign
 from hf_dcp_storage.reader import coalesce
 
 MiB = 2**20
@@ -19,7 +28,7 @@ MiB = 2**20
 
 def _plan(header_len: int, owners: list[tuple[int, int]], **kwargs):
     """``owners`` of ``(rank, nbytes)`` laid end to end after the header, neighbours of one rank
-    joined (as ``_s3plan`` passes them) -> ``(parts, runs as (start, rank, n), size)``."""
+    joined (as ``plan/s3plan.py`` passes them) -> ``(parts, runs as (start, rank, n), size)``."""
     runs: list[tuple[int, int, int]] = []
     pos = header_len
     for rank, n in owners:

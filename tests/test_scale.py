@@ -85,7 +85,7 @@ def test_synthetic_plans_equal_dcp_plans_of_real_dtensors() -> None:
 def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, int, int]:
     """(best of 3 seconds of our coordinator planning, largest pickled storage_data, write items).
 
-    The coordinator's planning of compact plans (``_compact.py``), as a save gathers them, on
+    The coordinator's planning of compact plans (``plan/compact.py``), as a save gathers them, on
     local disk (``local``), on a store without positioned writes (``staged``: with its merge
     tasks) and on S3 (``s3``: with every file's parts and the gathering tasks)."""
     shapes = llama_shapes(cfg)

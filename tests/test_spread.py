@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from _data import assert_same, folder_bytes, random_tensor, seed_of
 from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
-from hf_dcp_storage._layout import chunk_runs, chunk_runs_array, collect_tensor_specs, parse_size, place_items, plan_layout
-from hf_dcp_storage._placed import place_items as place_written
-from hf_dcp_storage._s3parts import GatherPart, RankPart, route_run
-from hf_dcp_storage._spread import GatherTask, MergeTask, assign
+from hf_dcp_storage.plan.layout import chunk_runs, chunk_runs_array, collect_tensor_specs, parse_size, place_items, plan_layout
+from hf_dcp_storage.plan.placed import place_items as place_written
+from hf_dcp_storage.plan.s3parts import GatherPart, RankPart, route_run
+from hf_dcp_storage.plan.spread import GatherTask, MergeTask, assign
 from hf_dcp_storage.writer import _in_write_order, _plan_tasks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -1,6 +1,6 @@
 """Wait, inside ``write_data``, until every rank of a save has staged its bytes.
 
-A rank assembling other ranks' staged bytes (``_spread.py``) may start only when they are all
+A rank assembling other ranks' staged bytes (``plan/spread.py``) may start only when they are all
 staged. DCP does not hand the storage writer its process group, and a collective issued on
 another group from ``dcp.async_save``'s background thread could interleave with the training
 loop's own collectives. So the ranks meet on the job's key-value store instead (the one

@@ -27,9 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._layout import FilePlan, Layout, TensorSpec
-from ..format.header import HeaderError, decode_header
-
 __all__ = [
     "FORMAT",
     "SAVE_RECORD",
@@ -41,7 +38,6 @@ __all__ = [
     "SaveRecord",
     "ItemRecord",
     "RankRecord",
-    "layout_from_files",
 ]
 
 FORMAT = 1
@@ -153,26 +149,6 @@ class CompletionRecord:
             return cls(str(obj["save_id"]), parts)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"{where}: not a valid completion record ({type(exc).__name__}: {exc})") from None
-
-
-def layout_from_files(files: tuple[tuple[str, bytes], ...], where: str) -> Layout:
-    """The ``Layout`` a save planned, rebuilt from its files' names and headers. Pure.
-
-    Raises:
-        RecordError: a header that does not decode.
-    """
-    plans, file_of, tensor_start, specs = [], {}, {}, {}
-    for f, (name, header) in enumerate(files):
-        try:
-            entries, _, data_start = decode_header(header, where=f"{where} ({name})")
-        except HeaderError as exc:
-            raise RecordError(str(exc)) from None
-        plans.append(FilePlan(name, header, tuple(entries)))
-        for e in entries:
-            file_of[e.name] = f
-            tensor_start[e.name] = data_start + e.begin
-            specs[e.name] = TensorSpec(e.name, e.dtype, e.shape)
-    return Layout(tuple(plans), file_of, tensor_start, specs)
 
 
 def _json(obj: object) -> bytes:

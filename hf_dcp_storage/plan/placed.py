@@ -2,7 +2,7 @@
 
 Saves to stores without positioned writes need, per chunk, more than compact direct saves do:
 the file it lands in, where its first byte goes, and where it sits in its rank's staged object
-of that file, so that the ranks given the finishing work (``_spread``) can find every byte. At
+of that file, so that the ranks given the finishing work (``plan/spread.py``) can find every byte. At
 thousands of ranks there are millions of chunks, so this is numpy over one row per chunk, never
 a Python step per chunk.
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.checkpoint.planner import SavePlan
 
-from ._compact import Dedup, GlobalChunks, encode_local, gather
-from ._layout import Layout, element_size
+from .compact import Dedup, GlobalChunks, encode_local, gather
+from .layout import Layout, element_size
 
 __all__ = ["PlacedChunks", "place_chunks", "place_items", "key_strides", "staged_offsets", "stable_order"]
 

@@ -1,7 +1,7 @@
 """An S3 save's multipart parts, and the gathering tasks of its mixed parts, from its placed chunks.
 
 The coordinator plans every file's parts from the byte runs the chunks make in it
-(``_s3parts.plan_file_parts``) and, for each gathered part, where its bytes sit in the ranks'
+(``plan/s3parts.plan_file_parts``) and, for each gathered part, where its bytes sit in the ranks'
 staged objects, given out to the ranks by bytes, each rank's share one ``_spread.GatherTasks``.
 A column-sharded tensor makes one run per row per rank (161 M runs at 405B over 1,024 x 8
 ranks): such a tensor is one run of mixed ranks here, always gathered, and its chunks are named
@@ -9,7 +9,7 @@ whole in the tasks, so nothing is ever done per row on the coordinator. Everythi
 over the chunks, an object per part and a Python step per rank where shares are made.
 
 What the ranks do agrees by construction: a rank routes each byte run it writes into one of its
-own parts or into its staged object of the file (``_s3parts.route_run``), chunk after chunk in
+own parts or into its staged object of the file (``plan/s3parts.route_run``), chunk after chunk in
 output order (``writer._in_write_order``), so its staged bytes of a file are, in that order, the
 bytes of its chunks not in its parts: a column-sharded chunk whole, a row-sharded one in the
 pieces the parts leave. Pure: no I/O.
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._layout import Layout
-from ._placed import PlacedChunks, key_strides, stable_order
-from ._s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
-from ._spread import GatherTasks, assign, file_tensors
+from .layout import Layout
+from .placed import PlacedChunks, key_strides, stable_order
+from .s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
+from .spread import GatherTasks, assign, file_tensors
 
 __all__ = ["S3Plan", "plan_s3"]
 
@@ -41,7 +41,7 @@ class S3Plan:
 
 def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
     """(coordinator) Plan an S3 save's parts and gathering tasks, spread over ``world`` ranks by
-    bytes (``_spread.assign``, counting the bytes each rank uploads of its own). Pure.
+    bytes (``plan/spread.assign``, counting the bytes each rank uploads of its own). Pure.
 
     Raises:
         ValueError: a file needs more than S3's 10,000 parts.

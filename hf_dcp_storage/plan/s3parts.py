@@ -5,7 +5,7 @@ bytes of a single rank: that rank uploads them itself, straight from its tensors
 pass through any other process nor get copied afterwards (``RankPart``). S3 wants every part but
 the last to hold at least 5 MiB, so byte runs too small for that (norms, biases, the header, a
 rank's share of a small tensor) are staged by their ranks and gathered into parts, each by the
-rank the coordinator gives it to (``GatherPart``, ``_spread``); a short gather in front of a big
+rank the coordinator gives it to (``GatherPart``, ``plan/spread.py``); a short gather in front of a big
 run takes that run's first bytes to reach the minimum. The coordinator completes the upload once
 every part is in.
 
@@ -52,7 +52,7 @@ GATHER_PART_BYTES = 16 << 20
 def gather_part_bytes(total: int, world: int) -> int:
     """Size of a save's gathered parts: small enough that the work spreads evenly, as large as
     that allows (fewer tasks, fewer requests). Ranks' loads end within one task of each other
-    (``_spread.assign``) and a task counts twice its size, so with every byte gathered the busiest
+    (``plan/spread.assign``) and a task counts twice its size, so with every byte gathered the busiest
     rank moves at most ``1 + 2 * part / (3 * share)`` times the mean (``share``: a rank's own
     bytes, ``total / world``); a part of 3/40 of the share keeps that under 1.05. Between S3's
     5 MiB minimum and ``GATHER_PART_BYTES``."""
@@ -81,7 +81,7 @@ class RankPart:
 @dataclass(frozen=True)
 class GatherPart:
     """Part ``number``: file bytes ``[start, end)`` (the header's among them, if ``start`` is 0),
-    staged by several ranks and assembled by one (``_spread.GatherTask``)."""
+    staged by several ranks and assembled by one (``plan/spread.GatherTask``)."""
 
     number: int
     start: int

@@ -16,21 +16,14 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
-from .format.header import TensorEntry, dtype_name, encode_header
+from ..format.header import TensorEntry, decode_header, dtype_name, encode_header
+from ..format.index import FORMAT_METADATA, shard_name
 
 __all__ = [
-    "INDEX_NAME",
-    "CHECKSUM_ALGORITHM_KEY",
-    "CHECKSUM_ALGORITHM",
-    "CHECKSUMS_KEY",
-    "SINGLE_FILE_NAME",
-    "SHARD_NAME_RE",
-    "FORMAT_METADATA",
     "TensorSpec",
     "FilePlan",
     "Layout",
     "Placement",
-    "shard_name",
     "parse_size",
     "element_size",
     "chunk_runs",
@@ -38,29 +31,14 @@ __all__ = [
     "collect_tensor_specs",
     "plan_layout",
     "place_items",
+    "layout_from_files",
 ]
-
-INDEX_NAME = "model.safetensors.index.json"
-# Index metadata entries holding each tensor's CRC32 (8 hex digits) of its bytes in its file.
-CHECKSUM_ALGORITHM_KEY = "checksum_algorithm"
-CHECKSUM_ALGORITHM = "crc32"
-CHECKSUMS_KEY = "checksums"
-# The index's copy of every file's header (its size and header JSON), so that a loader reads one object, not every file.
-HEADERS_KEY = "headers"
-SINGLE_FILE_NAME = "model.safetensors"
-SHARD_NAME_RE = re.compile(r"^model-(\d{5,})-of-(\d{5,})\.safetensors$")
-FORMAT_METADATA = {"format": "pt"}
 
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
-
-
-def shard_name(index: int, total: int) -> str:
-    """``model-00001-of-00004.safetensors`` for the 1-based ``index`` of ``total`` files."""
-    return f"model-{index:05d}-of-{total:05d}.safetensors"
 
 
 def parse_size(size: int | str) -> int:
@@ -344,3 +322,20 @@ def _preview(values: object, limit: int = 8) -> str:
     shown = ", ".join(repr(v) if not isinstance(v, tuple) else f"{v[0]!r}: {v[1]!r}" for v in items[:limit])
     more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
     return f"[{shown}]{more}"
+
+
+def layout_from_files(files: tuple[tuple[str, bytes], ...], where: str) -> Layout:
+    """The ``Layout`` a save planned, rebuilt from its files' names and headers. Pure.
+
+    Raises:
+        HeaderError: a header that does not decode.
+    """
+    plans, file_of, tensor_start, specs = [], {}, {}, {}
+    for f, (name, header) in enumerate(files):
+        entries, _, data_start = decode_header(header, where=f"{where} ({name})")
+        plans.append(FilePlan(name, header, tuple(entries)))
+        for e in entries:
+            file_of[e.name] = f
+            tensor_start[e.name] = data_start + e.begin
+            specs[e.name] = TensorSpec(e.name, e.dtype, e.shape)
+    return Layout(tuple(plans), file_of, tensor_start, specs)

@@ -6,7 +6,7 @@ tensor for overlap. At thousands of ranks that alone costs minutes and tens of G
 coordinator (``benchmarks/results/2026-11_scale-cpu-2core.md``). The coordinator needs, per
 chunk, only its key, offsets and sizes: to check that the chunks tile each tensor, to choose a
 writer for replicated chunks and, on stores without positioned writes, to place every chunk
-(``_placed.py``). So a rank sends its key table once, compressed, and its chunks as one integer
+(``plan/placed.py``). So a rank sends its key table once, compressed, and its chunks as one integer
 array (:class:`LocalChunks`), keeps its write items to itself, and receives, per row of its
 table, where the key's data starts (:class:`TablePlan`).
 
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-from ._layout import Layout, TensorSpec
-from ._packed import packed_array
-from .format.header import NAME_TO_DTYPE, dtype_name
+from ..format.header import NAME_TO_DTYPE, dtype_name
+from .layout import Layout, TensorSpec
+from .packed import packed_array
 
 __all__ = ["LocalChunks", "GlobalChunks", "Dedup", "TablePlan", "encode_local", "gather", "check_and_dedup", "table_plans", "xor_shares"]
 

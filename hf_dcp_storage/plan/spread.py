@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import Layout, chunk_runs_array, element_size
-from ._merge import StagedPiece
-from ._placed import PlacedChunks
-from .io.parallel import parallel_map
+from ..io.parallel import parallel_map
+from .layout import Layout, chunk_runs_array, element_size
+from .merge import StagedPiece
+from .placed import PlacedChunks
 
 __all__ = ["GatherTask", "GatherTasks", "MergeTask", "Source", "assign", "pack_columns", "unpack_columns", "merge_tasks", "file_tensors"]
 
@@ -96,7 +96,7 @@ class GatherTask:
 
 @dataclass(frozen=True)
 class GatherTasks:
-    """(S3) One rank's gathered parts, as arrays (``_s3plan`` builds every rank's share at
+    """(S3) One rank's gathered parts, as arrays (``plan/s3plan.py`` builds every rank's share at
     once). Iterating gives a :class:`GatherTask` per part, which the rank then carries out.
 
     Part ``i`` is ``parts[i] = (file, number, start, end)``; its staged pieces are rows
