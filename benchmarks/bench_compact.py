@@ -22,7 +22,7 @@ Each case runs in a fresh process, phase by phase, as ``dcp.save`` runs them wit
    ``read_metadata`` on the index (which records the headers; sparse files), a few ranks' local load plans, and
    what each sends through DCP's global step (``HFStorageReader.prepare_local_plan`` keeps the
    read items on the rank);
-5. one rank's write-side unpacking of its plan (``_unpack_table``).
+5. one rank's write-side unpacking of its plan (``plan/rankplan.py``'s ``unpack_table``).
 
 Reported: seconds per phase, the coordinator's peak RSS over the imports (its process holds
 nothing else: the simulated ranks' pickles are the gather's buffer), what each rank sends and
@@ -60,8 +60,14 @@ from hf_dcp_storage.io.fsio import STREAM_PART_BYTES
 from hf_dcp_storage.plan.layout import plan_layout
 from hf_dcp_storage.plan.placed import place_chunks
 from hf_dcp_storage.plan.s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart
-from hf_dcp_storage.writer import _PACKED, _index_bytes, _plan_tasks, _RankPlan, _whole_tensors, _WrittenRows  # noqa: E402
-from hf_dcp_storage.writer import _rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.plan.layout import index_bytes as _index_bytes  # noqa: E402
+from hf_dcp_storage.plan.layout import whole_tensor_metadata as _whole_tensors  # noqa: E402
+from hf_dcp_storage.plan.rankplan import PACKED as _PACKED  # noqa: E402
+from hf_dcp_storage.plan.rankplan import RankPlan as _RankPlan  # noqa: E402
+from hf_dcp_storage.plan.rankplan import WrittenRows as _WrittenRows  # noqa: E402
+from hf_dcp_storage.plan.rankplan import combine_checksums, unpack_table  # noqa: E402
+from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.stores import store_for_mode  # noqa: E402
 
 PHASES = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter", "results_gather", "checksums", "metadata", "index")
 PLANNING = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter")
@@ -110,12 +116,15 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     rank_start, table_keys, table_of_rank, dropped = g.rank_start, g.table_keys, g.table_of_rank, len(dedup.dropped)
     written = placed.bytes_per_rank(mesh.size) if placed is not None else dedup.bytes_per_rank
     g = dedup = None  # type: ignore[assignment]
-    s3, tasks = timed("tasks", lambda: _plan_tasks(layout, mode, placed, mesh.size, writer.thread_count))
-    s3_parts = s3.parts if s3 is not None else None
+    store = store_for_mode(mode, writer.fs, writer.root, retry=writer.retry, threads=writer.thread_count)
+    tasks = timed("tasks", lambda: store.plan(layout, placed, mesh.size))
+    s3_parts = store.parts if mode == "s3" else None
     uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1} if s3_parts is not None else {}
+    if mode == "s3":
+        store.uploads = uploads
 
     def scatter() -> list[bytes]:
-        plans = writer_rank_plans([SavePlan([]) for _ in range(mesh.size)], layout, "0" * 32, mode == "direct", [{}] * mesh.size, s3_parts, uploads, tables, tasks)
+        plans = writer_rank_plans([SavePlan([]) for _ in range(mesh.size)], layout, "0" * 32, mode == "direct", [{}] * mesh.size, tables, tasks, store.rank_data(mesh.size))
         return [pickle.dumps(p) for p in plans]
 
     final = timed("scatter", scatter)
@@ -133,8 +142,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         rows = np.arange(n, dtype=np.int64) % len(table_keys[int(table_of_rank[r])])
         packed.append(pickle.dumps([WriteResult(_PACKED, 0, _WrittenRows(rows, rng.integers(0, 2**32, n, dtype=np.uint32)))]))
     results = timed("results_gather", lambda: [pickle.loads(b) for b in packed])
-    writer._tables = (table_keys, table_of_rank)
-    checksums = timed("checksums", lambda: writer._checksums(layout, results))
+    checksums = timed("checksums", lambda: combine_checksums(layout, results, (table_keys, table_of_rank)))
     timed("metadata", lambda: _whole_tensors(layout))
     index = timed("index", lambda: _index_bytes(layout, checksums))
     out["coordinator_peak_mib"] = (_status_kib("VmHWM") - base) / 1024
@@ -158,9 +166,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     out.update({k: load[k] for k in ("load_world", "load_plan_s", "load_plan_bytes_max", "load_plan_sent_bytes_max", "load_read_items", "metadata_reads_per_rank")})
     out["read_metadata_s"] = rep.timings["read_metadata"]
     # One rank unpacks its plan on the write side.
-    writer._local = (keep_items, keep_local)
     s = time.perf_counter()
-    writer._unpack_table(_RankPlan(mesh.size - 1, "0" * 32, True, layout.names, {}, None, tables[-1]))
+    unpack_table(keep_items, keep_local, _RankPlan(mesh.size - 1, "0" * 32, True, layout.names, {}, None, tables[-1]))
     out["unpack_ms"] = (time.perf_counter() - s) * 1e3
     assert zlib.decompress(keep_local.table)  # the table the last rank sent decodes
     return out

@@ -18,9 +18,9 @@ direct-write planning, kept for comparison, and ``s3`` is what S3 saves run:
    (quadratic in N for row-sharded tensors wider than tall: above ``--max-comparisons`` chunk
    pairs it is not run, and its time is estimated from a calibration, a lower bound).
 3. coordinator, ours: the pure steps of ``HFStorageWriter.prepare_global_plan``
-   (``collect_tensor_specs``, ``plan_layout``, ``place_items``, S3: ``_plan_s3_parts`` and
-   ``_plan_tasks``, which gives each gathered part to a rank) and each
-   rank's ``_RankPlan``, built exactly as ``prepare_global_plan`` builds it (S3 with fake upload
+   (``collect_tensor_specs``, ``plan_layout``, ``place_items``, the store's ``plan``: S3's parts
+   and the gathering tasks, each given to a rank) and each
+   rank's ``RankPlan``, built exactly as ``prepare_global_plan`` builds it (S3 with fake upload
    ids); then the save record, and the pickling of every rank's final plan (DCP's scatter).
 4. load: the index and headers the save would write (sparse files), ``HFStorageReader.read_metadata``
    on them, and ``HFLoadPlanner.create_local_plan`` for a few ranks of a resharded destination
@@ -84,7 +84,9 @@ from hf_dcp_storage.plan.layout import Layout, collect_tensor_specs, element_siz
 from hf_dcp_storage.plan.s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart
 from hf_dcp_storage.io.records import SaveRecord
 from hf_dcp_storage.plan.placed import place_items as place_written
-from hf_dcp_storage.writer import _index_bytes, _plan_tasks, _rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.plan.layout import index_bytes as _index_bytes  # noqa: E402
+from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.stores import store_for_mode  # noqa: E402
 
 __all__ = ["OurPlan", "plan_ours", "dcp_global_plan", "dcp_validate", "validate_comparisons", "calibrate_validate", "bytes_per_rank", "s3_requests", "main"]
 
@@ -207,22 +209,18 @@ def plan_ours(writer: HFStorageWriter, plans: list[SavePlan], mode: str, timings
         placements = place_items(layout, plans)
         _items = {item.index: item for plan in plans for item in plan.items}  # _adopt keeps this map for finish
     s3_parts, uploads, tasks = None, {}, None
+    store = store_for_mode("direct" if mode == "local" else mode, writer.fs, writer.root, retry=writer.retry, threads=1)
     if mode in ("s3", "staged"):
         with _timed(t, "tasks", done):  # parts (S3) and each rank's finishing tasks
-            s3, tasks = _plan_tasks(layout, mode, place_written(layout, plans), len(plans))
-        if s3 is not None:
-            s3_parts = s3.parts
-            uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
+            tasks = store.plan(layout, place_written(layout, plans), len(plans))
+        if mode == "s3":
+            s3_parts = store.parts
+            uploads = store.uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
     with _timed(t, "rank_plans", done):
-        rank_plans = _rank_plans(layout, plans, placements, s3_parts, uploads, tasks, direct=mode == "local")
+        rank_plans = writer_rank_plans(plans, layout, "0" * 32, mode == "local", placements, None, tasks, store.rank_data(len(plans)))
     with _timed(t, "record", done):
         SaveRecord("0" * 32, "direct" if mode == "local" else mode, len(plans), tuple((f.name, f.header) for f in layout.files), uploads).encode()
     return OurPlan(layout, placements, s3_parts, uploads, rank_plans, t)
-
-
-def _rank_plans(layout: Layout, plans: list[SavePlan], placements: list[dict[Any, Any]], s3_parts: list[list[RankPart | GatherPart]] | None, uploads: Mapping[int, str], tasks: Any, *, direct: bool) -> list[SavePlan]:
-    """Every rank's plan with its ``_RankPlan``, built by ``prepare_global_plan``'s own function."""
-    return writer_rank_plans(plans, layout, "0" * 32, direct, placements, s3_parts, uploads, None, tasks)
 
 
 # -- what the plans imply: balance, requests, sizes -------------------------------------------

@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ._progress import NO_PROGRESS, Progress
-from ._s3 import multipart_etag
 from .format.index import INDEX_NAME
 from .io import fsio
 from .io.parallel import parallel_map
@@ -45,7 +44,11 @@ from .io.records import (
 )
 from .io.retry import RetryPolicy
 from .plan.layout import Layout, layout_from_files
-from .writer import _FINISHED, STAGING_DIR, HFStorageWriter, _Finished, _Written
+from .plan.rankplan import FINISHED, Finished, Written
+from .stores.base import STAGING_DIR
+from .stores.s3 import S3Store
+from .stores.s3_requests import multipart_etag
+from .writer import HFStorageWriter
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 
@@ -131,23 +134,23 @@ def consolidate_checkpoint(
         _check_files(fs, root, layout, url)
 
     writer = HFStorageWriter(dst if dst is not None else src, storage_options=storage_options, thread_count=thread_count, retry=retry, overwrite=overwrite)
-    writer._progress = progress
+    # The store that finishes what the save began: the record's kind, at the destination.
+    store = writer._adopt(layout, record.mode, plans, record.uploads, record.save_id)
+    store.on_bytes = progress.advance
     moved = 0
-    completed: set[int] = set()
-    if in_place and record.mode == "s3":
+    if in_place and isinstance(store, S3Store):
         completion = _read_completion(fs, staging, names, record, url)
-        completed = _check_uploads(writer, record, layout, completion)
+        store.completed = _check_uploads(store, record, layout, completion)
         if completion is not None:
             results = _with_gathered_parts(results, layout, completion)
     elif not in_place:
-        writer._source = (fs, root)
-        writer._prepare_destination(layout, direct=False)
+        store.source = (fs, root)
+        store.prepare(layout, overwrite, make_files=False)
         if record.mode == "direct":
             # The files are complete where they are: copy them, then commit at the destination.
             progress.start(sum(f.size for f in layout.files), "copying")
             parallel_map(lambda f: _copy(fs, fsio.join(root, f.name), writer.fs, fsio.join(writer.root, f.name), f.size, progress), layout.files, thread_count)
             moved = sum(f.size for f in layout.files)
-    writer._adopt(layout, record.mode, plans, record.uploads, record.save_id, completed)
     if record.mode == "staged":
         progress.start(sum(f.size for f in layout.files), "merging")
     writer.finish(None, results)  # type: ignore[arg-type]  # finish does not read the metadata
@@ -197,7 +200,7 @@ def _rebuild(layout: Layout, ranks: list[RankRecord], url: str) -> tuple[list[Sa
             index = MetadataIndex(i.key, torch.Size(i.offsets))
             chunk = ChunkStorageMetadata(torch.Size(i.offsets), torch.Size(i.sizes))
             items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, TensorProperties(dtype=spec.dtype), torch.Size(spec.shape))))
-            rank_results.append(WriteResult(index, i.nbytes, _Written(i.file, i.staged_offset, i.crc, i.parts)))
+            rank_results.append(WriteResult(index, i.nbytes, Written(i.file, i.staged_offset, i.crc, i.parts)))
             written[i.key] += _numel(i.sizes)
         plans.append(SavePlan(items))
         results.append(rank_results)
@@ -220,30 +223,29 @@ def _read_completion(fs: Any, staging: str, names: set[str], record: SaveRecord,
     return completion if completion.save_id == record.save_id else None
 
 
-def _check_uploads(writer: HFStorageWriter, record: SaveRecord, layout: Layout, completion: CompletionRecord | None) -> set[int]:
+def _check_uploads(store: S3Store, record: SaveRecord, layout: Layout, completion: CompletionRecord | None) -> set[int]:
     """The files whose upload the save had completed already; refuses, before completing
     anything, when an upload is gone otherwise (aborted: its bytes are lost).
 
     A completed file is told from a stale object of the same name (an older checkpoint's) by
     its ETag: the one the recorded parts make (``multipart_etag``).
     """
-    s3 = writer._s3
-    assert s3 is not None
-    open_ids = {upload_id for _, upload_id in s3.list_uploads(writer.root.rstrip("/") + "/")}
+    s3 = store.s3
+    open_ids = {upload_id for _, upload_id in s3.list_uploads(store.root.rstrip("/") + "/")}
     completed, gone = set(), []
     for f, upload_id in sorted(record.uploads.items()):
         if upload_id in open_ids:
             continue
         plan = layout.files[f]
         parts = completion.parts.get(plan.name) if completion is not None else None
-        head = s3.head(fsio.join(writer.root, plan.name)) if parts else None
+        head = s3.head(fsio.join(store.root, plan.name)) if parts else None
         if head is not None and head == (plan.size, multipart_etag(parts)):
             completed.add(f)
         else:
             gone.append(plan.name)
     if gone:
         raise ValueError(
-            f"{fsio.url_of(writer.fs, writer.root)}: the save's multipart uploads of {gone} no longer exist (aborted by the "
+            f"{fsio.url_of(store.fs, store.root)}: the save's multipart uploads of {gone} no longer exist (aborted by the "
             f"failing save itself, by a later save to this path, or by a bucket lifecycle rule), so their bytes are gone; "
             f"save the checkpoint again"
         )
@@ -259,7 +261,7 @@ def _with_gathered_parts(results: list[list[WriteResult]], layout: Layout, compl
         file_of[name]: tuple(e for e in parts if (file_of[name], e["PartNumber"]) not in own)
         for name, parts in completion.parts.items() if name in file_of
     }
-    extra = WriteResult(_FINISHED, 0, _Finished({f: p for f, p in gathered.items() if p}, (), 0))
+    extra = WriteResult(FINISHED, 0, Finished({f: p for f, p in gathered.items() if p}, (), 0))
     return [*results[:-1], [*results[-1], extra]] if results else [[extra]]
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ._s3 import s3_for
 from ._steps import COMMIT_MARKER, parse_step
 from .format.header import DTYPE_TO_NAME, HeaderError
 from .format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index
@@ -33,7 +32,6 @@ from .io import fsio
 from .io.files import (
     Folder,
     ReadRange,
-    read_bytes,
     read_header,
     read_index,
     scan_folder,
@@ -43,6 +41,7 @@ from .io.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
 from .io.retry import RetryPolicy
 from .manager import TRAINING_STATE_DIR
 from .plan.layout import element_size, layout_from_files
+from .stores import ranges_for
 from .writer import STAGING_DIR
 
 __all__ = [
@@ -297,10 +296,9 @@ def dcp_metadata(fs: AbstractFileSystem, root: str, storage_options: dict[str, A
 
 
 def range_reader(fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> ReadRange:
-    """``read_range(path, start, end)`` on ``fs``: S3's retried client path, else fsspec, retried."""
-    retry = retry or RetryPolicy()
-    s3 = s3_for(fs, retry)
-    return lambda path, start, end: read_bytes(fs, path, start, end, retry=retry, s3=s3)
+    """``read_range(path, start, end)`` on ``fs``, as loads read it (``stores.ranges_for``): S3's
+    retried client path, else fsspec, retried."""
+    return ranges_for(fs, retry or RetryPolicy()).get_range
 
 
 def safetensors_files(folder: Folder) -> list[str]:

@@ -23,16 +23,17 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ._s3 import S3, s3_for
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
-from .io.files import load_weight_map, read_bytes, read_header
+from .io.files import load_weight_map, read_header
 from .io.hostbuf import HostBuffers, from_host
 from .io.parallel import parallel_map
 from .io.retry import RetryPolicy
 from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
 from .plan.layout import chunk_runs, element_size
+from .stores import ranges_for
+from .stores.base import Ranges
 
 __all__ = ["HFStorageReader", "coalesce"]
 
@@ -107,7 +108,7 @@ class HFStorageReader(StorageReader):
         self.thread_count = thread_count
         self.retry = retry or RetryPolicy()
         self.verify = verify
-        self._s3: S3 | None = None
+        self._ranges: Ranges | None = None  # how this store's byte ranges are read
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         self._kept: list[ReadItem] = []  # this rank's read items, between prepare_local_plan and read_data
@@ -122,7 +123,7 @@ class HFStorageReader(StorageReader):
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = fsio.resolve(checkpoint_id, self.storage_options)
-            self._s3 = s3_for(self.fs, self.retry)
+            self._ranges = ranges_for(self.fs, self.retry)
         self.storage_data = {}
 
     @classmethod
@@ -314,15 +315,8 @@ class HFStorageReader(StorageReader):
         path = fsio.join(self.root, stored.file)
         spans = [(stored.start + t, stored.start + t + n) for t, _, n in runs]
         requests = coalesce(spans)
-        if self._s3 is not None:
-            blobs: list[Any] = self._s3.get_ranges(path, requests)
-        else:
-            # cat_ranges runs the requests concurrently on async stores and in a loop elsewhere.
-            blobs = self.retry.call(
-                lambda: self.fs.cat_ranges([path] * len(requests), [s for s, _ in requests], [e for _, e in requests]),
-                operation="read byte ranges of",
-                url=self._url(stored.file),
-            )
+        assert self._ranges is not None
+        blobs: list[Any] = self._ranges.get_ranges(path, requests)
         j = 0
         for (_, c, n), (s, e) in zip(runs, spans, strict=True):
             while requests[j][1] < e:
@@ -345,7 +339,8 @@ class HFStorageReader(StorageReader):
         )
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
-        return read_bytes(self.fs, path, start, end, retry=self.retry, s3=self._s3)
+        assert self._ranges is not None
+        return self._ranges.get_range(path, start, end)
 
     def _read_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int]:
         # Retried as a whole, as the index is: the file's size comes through fsspec (a HEAD that

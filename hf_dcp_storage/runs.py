@@ -24,10 +24,10 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ._s3 import abort_uploads_under
 from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
 from .io import fsio
 from .io.parallel import parallel_map
+from .stores.s3_requests import abort_uploads_under
 
 __all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step"]
 

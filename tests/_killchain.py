@@ -186,7 +186,7 @@ def _tree(url: str, options: dict | None) -> dict[str, str]:
 def open_uploads(url: str, options: dict | None) -> list[str]:
     """Keys of unfinished multipart uploads under ``url`` (S3), else empty."""
     from hf_dcp_storage.io.retry import RetryPolicy
-    from hf_dcp_storage._s3 import s3_for
+    from hf_dcp_storage.stores.s3_requests import s3_for
 
     fs, root = _fresh(url, options)
     s3 = s3_for(fs, RetryPolicy())

@@ -86,7 +86,7 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
 
         W.prepare_global_plan = planned
     elif moment == "early-write":
-        slabs = writer._item_slabs
+        slabs = writer.item_slabs
 
         def first_slab_then_die(item: Any, planner: Any, host: Any) -> Any:
             it = slabs(item, planner, host)
@@ -95,28 +95,31 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
                 die()
             yield from it
 
-        writer._item_slabs = first_slab_then_die
+        writer.item_slabs = first_slab_then_die
     elif moment == "late-write":
-        before(W, "_put", lambda w, path, data: rank == 1 and weights(w) and _is_rank_record(path))
+        # The writer builds the rank's record once the store has written every byte, then puts it.
+        before(writer, "rank_record", lambda save_id, r, items, results: rank == 1 and not _state(items))
     elif moment == "finishing":
         before(W, "_finish_tasks", lambda w, plan: weights(w))
     elif moment == "completing":
-        complete_file = writer.complete_file
+        import hf_dcp_storage.stores.s3 as s3_store
+
+        complete_file = s3_store.complete_file
 
         def first_file_then_die(*args: Any, **kwargs: Any) -> None:
             complete_file(*args, **kwargs)
             if "training_state" not in args[1] and first_one():
                 die()
 
-        writer.complete_file = first_file_then_die
+        s3_store.complete_file = first_file_then_die
     elif moment == "before-index":
-        before(W, "_checksums", lambda w, layout, results: weights(w))
+        before(writer, "combine_checksums", lambda layout, results, tables: not any(k.startswith("state.") for k in layout.specs))
     elif moment == "index-written":
         import hf_dcp_storage.io.fsio as fsio
 
         before(fsio, "remove_tree", lambda fs, path: path.rstrip("/").endswith(writer.STAGING_DIR) and "training_state" not in path)
     elif moment == "training-state":
-        before(W, "_put", lambda w, path, data: rank == 1 and not weights(w) and _is_rank_record(path))
+        before(writer, "rank_record", lambda save_id, r, items, results: rank == 1 and _state(items))
     elif moment == "before-commit":
         before(manager.CheckpointManager, "_commit", lambda m, s: True)
     elif moment == "pruning":
@@ -134,7 +137,6 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
         manager.remove_step = marker_then_die
 
 
-def _is_rank_record(path: str) -> bool:
-    """The path of a rank's record of a save (``.hf_dcp_staging/rankNNNNN.json``)."""
-    name = path.rsplit("/", 1)[-1]
-    return name.startswith("rank") and name.endswith(".json") and "/.hf_dcp_staging/" in path
+def _state(items: Any) -> bool:
+    """Whether write items are a training state's (the kill tests name its keys ``state.*``)."""
+    return any(getattr(i.index, "fqn", "").startswith("state.") for i in items)

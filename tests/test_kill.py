@@ -102,7 +102,7 @@ def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_ta
         # A lifecycle rule (or a later save) aborted the open upload: the old object of that
         # name, the same size, must not pass for the new save's file.
         from hf_dcp_storage.io.retry import RetryPolicy
-        from hf_dcp_storage._s3 import s3_for
+        from hf_dcp_storage.stores.s3_requests import s3_for
 
         s3 = s3_for(fs, RetryPolicy())
         for key, upload_id in s3.list_uploads(url.removeprefix("s3://") + "/"):

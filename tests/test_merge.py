@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_dcp_storage.plan.merge import StagedPiece, merge_segments
-from hf_dcp_storage._merge import merge_file
+from hf_dcp_storage.stores.staged import merge_file
 
 
 def _column_pieces(root: str, rows: int = 3, cols: int = 4) -> tuple[list[StagedPiece], bytes, dict[str, bytes]]:

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, placements_for, rank_load_state_dict, rank_save_plan, shard_range  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
-from hf_dcp_storage.writer import _rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans  # noqa: E402
+from hf_dcp_storage.stores import store_for_mode  # noqa: E402
 
 # Every dimension splits unevenly over 4 ranks and over a 2x2 mesh, and on 4 ranks the last
 # one holds an empty shard of k/v (3 rows: 1, 1, 1, 0).
@@ -91,15 +92,16 @@ def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, i
     shapes = llama_shapes(cfg)
     mesh = Mesh.of(world, tp)
     writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
+    writer.store = store = store_for_mode("direct" if mode == "local" else mode, writer.fs, writer.root, retry=writer.retry, threads=writer.thread_count)
     chunks = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data for r in range(world)]
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        layout, tables, tasks = writer._plan_compact(chunks, "direct" if mode == "local" else mode)
+        layout, tables, tasks = writer._plan_compact(chunks)
         best = min(best, time.perf_counter() - t)
     # The layout part of each rank's plan (on S3 with its own parts); a rank given finishing
     # work also gets that work's addresses, checked by test_spread.py.
-    plans = writer_rank_plans([SavePlan([]) for _ in range(world)], layout, "0" * 32, mode == "local", [{}] * world, writer._s3_parts, {}, tables, tasks)
+    plans = writer_rank_plans([SavePlan([]) for _ in range(world)], layout, "0" * 32, mode == "local", [{}] * world, tables, tasks, store.rank_data(world))
     sent = max(len(pickle.dumps(dataclasses.replace(p.storage_data, tasks=()))) for p in plans)
     return best, sent, sum(len(c.rows) for c in chunks)
 

@@ -31,7 +31,16 @@ from hf_dcp_storage.plan.layout import chunk_runs, chunk_runs_array, collect_ten
 from hf_dcp_storage.plan.placed import place_items as place_written
 from hf_dcp_storage.plan.s3parts import GatherPart, RankPart, route_run
 from hf_dcp_storage.plan.spread import GatherTask, MergeTask, assign
-from hf_dcp_storage.writer import _in_write_order, _plan_tasks
+from hf_dcp_storage.io.retry import RetryPolicy
+from hf_dcp_storage.stores import store_for_mode
+from hf_dcp_storage.stores.base import in_write_order as _in_write_order
+
+
+def _plan_tasks(layout, mode, placed, world):
+    """``(the S3 store, or None, its ranks' tasks)``: the finishing work a store of ``mode`` plans,
+    as the writer's coordinator has it planned (pure: the store makes no request to plan)."""
+    store = store_for_mode(mode, None, "", retry=RetryPolicy(), threads=1)
+    return (store if mode == "s3" else None), store.plan(layout, placed, world)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402

@@ -11,7 +11,6 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from .._s3 import S3
 from ..format.header import decode_header, header_length
 from ..format.index import (
     INDEX_NAME,
@@ -21,9 +20,8 @@ from ..format.index import (
     recorded_headers,
 )
 from . import fsio
-from .retry import RetryPolicy
 
-__all__ = ["HEADER_PROBE", "ReadRange", "Folder", "read_bytes", "read_index", "read_header", "load_weight_map", "scan_folder"]
+__all__ = ["HEADER_PROBE", "ReadRange", "Folder", "read_index", "read_header", "load_weight_map", "scan_folder"]
 
 # First ranged read of every file: most headers fit, so one request usually gets the whole header.
 HEADER_PROBE = 64 << 10
@@ -58,14 +56,6 @@ class Folder:
             {f[len(base) :]: size for f, size in self.files.items() if f.startswith(base)},
             frozenset(d[len(base) :] for d in self.dirs if d.startswith(base)),
         )
-
-
-def read_bytes(fs: AbstractFileSystem, path: str, start: int, end: int, *, retry: RetryPolicy, s3: S3 | None = None) -> bytes:
-    """Bytes ``[start, end)`` of ``path`` (fewer only if the file is shorter), retried on
-    transient failures: S3's own client when ``s3`` is given, else fsspec."""
-    if s3 is not None:
-        return s3.get_range(path, start, end)
-    return retry.call(lambda: fsio.read_range(fs, path, start, end), operation=f"read bytes {start}-{end - 1} of", url=fsio.url_of(fs, path))
 
 
 def read_index(fs: AbstractFileSystem, root: str) -> bytes | None:

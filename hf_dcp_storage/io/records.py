@@ -27,6 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
 __all__ = [
     "FORMAT",
     "SAVE_RECORD",
@@ -38,6 +41,7 @@ __all__ = [
     "SaveRecord",
     "ItemRecord",
     "RankRecord",
+    "rank_record",
 ]
 
 FORMAT = 1
@@ -149,6 +153,17 @@ class CompletionRecord:
             return cls(str(obj["save_id"]), parts)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"{where}: not a valid completion record ({type(exc).__name__}: {exc})") from None
+
+
+def rank_record(save_id: str, rank: int, items: list[WriteItem], results: list[WriteResult]) -> RankRecord:
+    """What a rank wrote, for ``rank{r}.json``: each item's result (``storage_data`` a
+    ``plan/rankplan.Written``) and its chunk's sizes."""
+    sizes = {item.index: tuple(item.tensor_data.chunk.sizes) for item in items if item.tensor_data is not None}
+    records = []
+    for r in results:
+        w = r.storage_data
+        records.append(ItemRecord(r.index.fqn, tuple(r.index.offset or ()), sizes[r.index], r.size_in_bytes, w.file, w.staged_offset, w.crc, w.parts))
+    return RankRecord(save_id, rank, tuple(records))
 
 
 def _json(obj: object) -> bytes:

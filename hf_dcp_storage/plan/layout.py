@@ -13,11 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ..format.header import TensorEntry, decode_header, dtype_name, encode_header
-from ..format.index import FORMAT_METADATA, shard_name
+from ..format.index import FORMAT_METADATA, index_json, json_bytes, shard_name
 
 __all__ = [
     "TensorSpec",
@@ -32,6 +37,8 @@ __all__ = [
     "plan_layout",
     "place_items",
     "layout_from_files",
+    "whole_tensor_metadata",
+    "index_bytes",
 ]
 
 _UNITS = {
@@ -339,3 +346,18 @@ def layout_from_files(files: tuple[tuple[str, bytes], ...], where: str) -> Layou
             tensor_start[e.name] = data_start + e.begin
             specs[e.name] = TensorSpec(e.name, e.dtype, e.shape)
     return Layout(tuple(plans), file_of, tensor_start, specs)
+
+
+def whole_tensor_metadata(layout: Layout) -> dict[str, TensorStorageMetadata]:
+    """DCP metadata of the consolidated checkpoint: one whole-tensor chunk per key."""
+    out = {}
+    for key, spec in layout.specs.items():
+        size = torch.Size(spec.shape)
+        out[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), size, [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+    return out
+
+
+def index_bytes(layout: Layout, checksums: Mapping[str, int]) -> bytes:
+    """The index file a save of ``layout`` commits (``format/index.py``'s ``index_json``)."""
+    files = [(f.name, f.size, f.header) for f in layout.files]
+    return json_bytes(index_json(layout.total_size, layout.weight_map, files, checksums))

@@ -21,12 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from ..io.parallel import parallel_map
 from .layout import Layout, chunk_runs_array, element_size
 from .merge import StagedPiece
 from .placed import PlacedChunks
 
-__all__ = ["GatherTask", "GatherTasks", "MergeTask", "Source", "assign", "pack_columns", "unpack_columns", "merge_tasks", "file_tensors"]
+# ``map_fn(fn, items) -> [fn(x) for x in items]``, in any order of work (a thread pool, say).
+MapFn = Callable[[Callable[[int], Any], list[int]], list[Any]]
+
+__all__ = ["MapFn", "GatherTask", "GatherTasks", "MergeTask", "Source", "assign", "pack_columns", "unpack_columns", "merge_tasks", "plan_merges", "file_tensors"]
 
 # One piece of a gathered part, in file order: literal bytes (the file's header, which the
 # coordinator knows), or ``(rank, offset, nbytes)``: a range of that rank's staged object.
@@ -193,11 +195,12 @@ def unpack_columns(data: bytes) -> list[np.ndarray]:
     return out
 
 
-def merge_tasks(placed: PlacedChunks, layout: Layout, threads: int = 1) -> list[MergeTask]:
+def merge_tasks(placed: PlacedChunks, layout: Layout, map_fn: MapFn | None = None) -> list[MergeTask]:
     """(coordinator, stores without positioned writes) One task per file of ``layout``: its
     chunks, each fully staged by its rank (``placed.staged``). Pure; numpy over the chunks, and
-    each file's columns packed on up to ``threads`` threads (numpy's copies and zlib let go of
-    the GIL; at 405B over 8,192 ranks the packing is 0.7 s of zlib)."""
+    each file's columns packed through ``map_fn(fn, files)`` (default in order; the writer
+    passes its thread pool: numpy's copies and zlib let go of the GIL, and at 405B over 8,192
+    ranks the packing is 0.7 s of zlib)."""
     by_file = np.argsort(placed.file.astype(np.int16 if len(layout.files) < 2**15 else np.int64), kind="stable")
     files = placed.file[by_file]
     bounds = np.searchsorted(files, np.arange(len(layout.files) + 1, dtype=files.dtype))  # same dtype: no int64 copy
@@ -210,7 +213,19 @@ def merge_tasks(placed: PlacedChunks, layout: Layout, threads: int = 1) -> list[
         plan = layout.files[f]
         return MergeTask(f, plan.header, plan.size, tensors[f], chunks, placed.offsets.shape[1])
 
-    return parallel_map(task, range(len(layout.files)), threads)
+    files_ = list(range(len(layout.files)))
+    return map_fn(task, files_) if map_fn is not None else [task(f) for f in files_]
+
+
+def plan_merges(placed: PlacedChunks, layout: Layout, world: int, map_fn: MapFn | None = None) -> list[list[MergeTask]]:
+    """(coordinator, stores without positioned writes) Each rank's files to merge: one task per
+    file (``merge_tasks``), given to the rank with the fewest bytes so far, counting each rank's
+    own bytes (``assign``). Pure."""
+    merges = merge_tasks(placed, layout, map_fn)
+    out: list[list[MergeTask]] = [[] for _ in range(world)]
+    for task, rank in zip(merges, assign([t.nbytes for t in merges], placed.bytes_per_rank(world).tolist()), strict=True):
+        out[rank].append(task)
+    return out
 
 
 def file_tensors(layout: Layout, key_names: Sequence[str]) -> tuple[np.ndarray, list[tuple[tuple[int, tuple[int, ...], int], ...]]]:

@@ -1,7 +1,8 @@
-"""S3 requests the data path makes itself: multipart uploads, their parts, ranged GETs.
+"""The S3 requests the library makes itself: multipart uploads, their parts, ranged GETs.
 
-Used only when the fsspec filesystem is s3fs; every other store goes through the generic
-fsspec path in ``io/fsio.py``. The requests go to s3fs's own botocore client (so credentials,
+Used only when the fsspec filesystem is s3fs (``stores/s3.py`` is the store built on them; the
+reader's ranged GETs and retention's aborts use them too); every other store goes through the
+generic fsspec path in ``io/fsio.py``. The requests go to s3fs's own botocore client (so credentials,
 endpoint, region and ``s3_additional_kwargs`` such as server-side encryption are the user's),
 but each one is retried by this library's :class:`~.io.retry.RetryPolicy`, which knows which
 failures are transient, and fails with a message naming the operation and the object.
@@ -20,22 +21,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
-from .io.parallel import parallel_map
-from .io.retry import RetryPolicy
-from .plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
-from .plan.spread import Source
+from ..io.parallel import parallel_map
+from ..io.retry import RetryPolicy
+from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
+from ..plan.spread import Source
+from .base import MergeStats
 
-__all__ = ["S3", "s3_for", "abort_uploads_under", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "MergeStats", "complete_file", "gather_bytes"]
+__all__ = ["S3", "is_s3", "s3_for", "abort_uploads_under", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "complete_file", "gather_bytes", "quietly"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,14 @@ logger = logging.getLogger(__name__)
 _IN_FLIGHT = 2
 
 
+def is_s3(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is s3fs (S3 or an S3-compatible endpoint)."""
+    return type(fs).__module__.split(".")[0] == "s3fs"
+
+
 def s3_for(fs: AbstractFileSystem, retry: RetryPolicy) -> S3 | None:
     """An :class:`S3` over ``fs`` if it is an s3fs filesystem, else ``None`` (generic path)."""
-    if type(fs).__module__.split(".")[0] != "s3fs":
-        return None
-    return S3(fs, retry)
+    return S3(fs, retry) if is_s3(fs) else None
 
 
 def abort_uploads_under(fs: AbstractFileSystem, folder: str, retry: RetryPolicy | None = None) -> int:
@@ -348,13 +351,13 @@ class MultipartWriter:
             try:
                 self.close()
             except BaseException:
-                _quietly(self.abort, self.path)
+                quietly(self.abort, self.path)
                 raise
         else:
-            _quietly(self.abort, self.path)
+            quietly(self.abort, self.path)
 
 
-def _quietly(abort: Callable[[], None], path: str) -> None:
+def quietly(abort: Callable[[], None], path: str) -> None:
     """Clean up after a failure without masking it: a failing abort is logged, not raised."""
     try:
         abort()
@@ -363,37 +366,6 @@ def _quietly(abort: Callable[[], None], path: str) -> None:
 
 
 # -- consolidated files -----------------------------------------------------------------------------
-
-
-@dataclass
-class MergeStats:
-    """Bytes of consolidated files by who sent them (coordinator side, object stores).
-
-    ``client_bytes``: staged by their ranks, then downloaded and uploaded again (gathered S3
-    parts, merged files) by the rank the coordinator gave them to (``by_rank``: bytes per rank);
-    ``coordinator_bytes``: of those, the ones this process moved itself (all of them when it
-    finishes an interrupted save).
-    """
-
-    files: int = 0
-    total_bytes: int = 0
-    rank_part_bytes: int = 0  # uploaded by the ranks straight into the files' parts
-    client_bytes: int = 0
-    coordinator_bytes: int = 0
-    by_rank: dict[int, int] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, total: int, gathered: int, here: int) -> None:
-        with self._lock:
-            self.files += 1
-            self.total_bytes += total
-            self.rank_part_bytes += total - gathered
-            self.client_bytes += gathered
-            self.coordinator_bytes += here
-
-    @property
-    def client_fraction(self) -> float:
-        return self.client_bytes / self.total_bytes if self.total_bytes else 0.0
 
 
 def complete_file(
@@ -439,7 +411,7 @@ def complete_file(
         done += parallel_map(lambda p: s3.upload_part(path, upload_id, p.number, gather_bytes(s3, sources(p), staged_path)), here, threads)
         s3.complete_upload(path, upload_id, sorted(done, key=lambda e: e["PartNumber"]), size)
     except BaseException:
-        _quietly(lambda: s3.abort_upload(path, upload_id), path)
+        quietly(lambda: s3.abort_upload(path, upload_id), path)
         raise
     stats.add(size, gathered, sum(p.nbytes for p in here))
 

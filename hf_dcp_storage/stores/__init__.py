@@ -1,0 +1,51 @@
+"""One module per destination kind, behind one small interface (``base.py``): local disk, S3,
+and any other fsspec store; ``open_store`` picks the kind a path gets, ``ranges_for`` how loads read it."""
+
+from __future__ import annotations
+
+from fsspec import AbstractFileSystem
+
+from ..io import fsio
+from ..io.retry import RetryPolicy
+from .base import Ranges, Store
+from .local import LocalStore
+from .s3 import S3Ranges, S3Store
+from .s3_requests import is_s3
+from .staged import StagedStore
+
+__all__ = ["open_store", "store_for_mode", "ranges_for", "is_s3"]
+
+_BY_MODE: dict[str, type[Store]] = {cls.mode: cls for cls in (LocalStore, StagedStore, S3Store)}
+
+
+def open_store(fs: AbstractFileSystem, root: str, *, direct_write: bool | None, retry: RetryPolicy, threads: int, where: str | None = None) -> Store:
+    """The store a save to ``root`` writes through (the same answer on every rank): S3's
+    multipart uploads on s3fs; positioned writes on local disk unless ``direct_write=False``;
+    staged objects merged per file anywhere else. ``where``: the path as the user gave it, for
+    messages.
+
+    Raises:
+        ValueError: ``direct_write=True`` where positioned writes are impossible.
+    """
+    if direct_write and not fsio.is_local(fs):
+        raise ValueError(
+            f"direct_write=True needs positioned writes, which {where or fsio.url_of(fs, root)} does not "
+            f"support; use direct_write=None (automatic) or False"
+        )
+    if is_s3(fs):
+        kind: type[Store] = S3Store
+    elif fsio.is_local(fs) and direct_write is not False:
+        kind = LocalStore
+    else:
+        kind = StagedStore
+    return kind(fs, root, retry=retry, threads=threads)
+
+
+def store_for_mode(mode: str, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int) -> Store:
+    """The store that finishes an interrupted save recorded as ``mode`` (``consolidate``)."""
+    return _BY_MODE[mode](fs, root, retry=retry, threads=threads)
+
+
+def ranges_for(fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
+    """How loads read byte ranges of ``fs``'s objects."""
+    return S3Ranges(fs, retry) if is_s3(fs) else Ranges(fs, retry)

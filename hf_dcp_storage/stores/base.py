@@ -1,0 +1,264 @@
+"""The one interface every destination kind implements: how a save's bytes get from the ranks into
+consolidated files, and how a loader reads byte ranges back.
+
+A save calls a ``Store`` in this order (``writer.py``; a store holds one save's state, and the
+writer makes a new one for every save):
+
+1. (coordinator) ``plan(layout, placed, world)``: pure, from ``plan/``: each rank's finishing
+   tasks (gathered parts, merged files). ``placed`` (every chunk placed in its rank's staged
+   objects) is given only to stores with ``needs_placement``.
+2. (coordinator) ``prepare(layout, overwrite)``, before any rank writes: refuses or un-commits a
+   complete checkpoint, clears leftovers, and makes what the ranks write into (files at their
+   final size, multipart uploads); then ``rank_data(world)`` says what else each rank must be
+   told, and ``record_uploads()`` what the save record keeps.
+3. (each rank) ``write(items, rank_plan, slabs)``: this rank's own bytes, durable on return.
+   ``put`` then writes the rank's record. On any failure of the rank: ``abort(rank_plan)``.
+4. (each rank with tasks, once every rank has written) ``run_task(task, rank_plan)``.
+5. (coordinator) ``complete(layout, results, finished)``: what makes the files whole (merging,
+   completing uploads); the writer then writes the index with ``put``, the commit.
+
+``put`` writes a small file that readers see whole or not at all. ``merge_stats`` counts, on the
+coordinator, the files' bytes by who moved them.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from fsspec import AbstractFileSystem
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..format.index import INDEX_NAME, SHARD_NAME_RE, SINGLE_FILE_NAME
+from ..io import fsio
+from ..io.retry import RetryPolicy
+from ..plan.layout import Layout, element_size
+from ..plan.placed import PlacedChunks
+from ..plan.rankplan import Finished, RankPlan
+
+__all__ = [
+    "STAGING_DIR",
+    "Store",
+    "Ranges",
+    "MergeStats",
+    "Slabs",
+    "staged_path",
+    "in_write_order",
+    "tensor_bytes",
+    "chunk_bytes",
+]
+
+# The save's own records (``io/records.py``) and per-rank staged objects live here until the
+# coordinator has written the index; then the folder is removed.
+STAGING_DIR = ".hf_dcp_staging"
+
+# ``slabs(item) -> [(runs, bytes)]``: a write item's bytes in bounded slabs, cast to the saved
+# dtype, with each slab's byte runs ``(offset in the tensor, offset in the slab, length)``
+# (``io/slabs.py``'s ``item_slabs``); a slab's bytes are valid until the next one is asked for.
+Slabs = Callable[[WriteItem], Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]]
+
+
+@dataclass
+class MergeStats:
+    """Bytes of consolidated files by who sent them (coordinator side, object stores).
+
+    ``client_bytes``: staged by their ranks, then downloaded and uploaded again (gathered S3
+    parts, merged files) by the rank the coordinator gave them to (``by_rank``: bytes per rank);
+    ``coordinator_bytes``: of those, the ones this process moved itself (all of them when it
+    finishes an interrupted save).
+    """
+
+    files: int = 0
+    total_bytes: int = 0
+    rank_part_bytes: int = 0  # uploaded by the ranks straight into the files' parts
+    client_bytes: int = 0
+    coordinator_bytes: int = 0
+    by_rank: dict[int, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, total: int, gathered: int, here: int) -> None:
+        with self._lock:
+            self.files += 1
+            self.total_bytes += total
+            self.rank_part_bytes += total - gathered
+            self.client_bytes += gathered
+            self.coordinator_bytes += here
+
+    @property
+    def client_fraction(self) -> float:
+        return self.client_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+class Ranges:
+    """How a loader reads byte ranges of a store's objects: fsspec's ``cat_ranges`` (concurrent
+    on async stores), retried on transient failures. Stores with a faster path subclass it."""
+
+    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
+        self.fs, self.retry = fs, retry
+
+    def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of each range (fewer only where the object is shorter)."""
+        return self.retry.call(
+            lambda: self.fs.cat_ranges([path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges]),
+            operation="read byte ranges of", url=fsio.url_of(self.fs, path),
+        )
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` (fewer only if the object is shorter)."""
+        return self.retry.call(lambda: fsio.read_range(self.fs, path, start, end), operation=f"read bytes {start}-{end - 1} of", url=fsio.url_of(self.fs, path))
+
+
+class Store(ABC):
+    """One destination kind (see the module docstring for the call sequence).
+
+    Args:
+        fs, root: the filesystem and the checkpoint folder.
+        retry: how transient failures of the store's requests are retried.
+        threads: I/O threads per rank.
+    """
+
+    mode: ClassVar[str]  # recorded in the save record: "direct", "staged" or "s3"
+    needs_placement: ClassVar[bool] = True  # plan() wants every chunk placed in its rank's staged objects
+
+    def __init__(self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int) -> None:
+        self.fs, self.root, self.retry, self.threads = fs, root, retry, threads
+        self.merge_stats = MergeStats()
+        # Told the bytes this process merges, as it merges them (``hf-dcp consolidate``'s progress).
+        self.on_bytes: Callable[[int], None] | None = None
+        # Where staged objects are read from when merging: this folder, unless an interrupted
+        # save elsewhere is being finished into it (``consolidate``).
+        self.source: tuple[AbstractFileSystem, str] | None = None
+        # The save's id (set by the writer before ``prepare``), named in the records it writes.
+        self.save_id = ""
+
+    # -- 1. coordinator, pure -----------------------------------------------------------------
+
+    def plan(self, layout: Layout, placed: PlacedChunks | None, world: int) -> list[Any] | None:
+        """Each rank's finishing tasks (one entry per rank), or ``None``: nothing to finish (what
+        a store with positioned writes returns)."""
+        return None
+
+    # -- 2. coordinator, before any rank writes ---------------------------------------------
+
+    def prepare(self, layout: Layout, overwrite: bool, *, make_files: bool = True) -> None:
+        """Refuse or un-commit a complete checkpoint, clear leftovers, and (``make_files``) make
+        what the ranks write into (``_make_files``).
+
+        One listing of the whole folder answers every question: on an object store each
+        ``exists`` is a request or two, and they run before any rank may start writing.
+
+        Raises:
+            FileExistsError: a complete checkpoint is there and ``overwrite`` is off.
+        """
+        fs, root = self.fs, self.root
+        local = fsio.is_local(fs)
+        if local:
+            # Object stores have no folders, and s3fs's makedirs would create a missing bucket.
+            fs.makedirs(root, exist_ok=True)
+        names = self._retried(lambda: fsio.list_tree(fs, root), "list", root)
+        committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if n in names]
+        if committed and not overwrite:
+            raise FileExistsError(
+                f"{fsio.url_of(fs, root)} already holds a complete checkpoint ({', '.join(committed)}); "
+                f"pass HFStorageWriter(..., overwrite=True) to replace it, or save to a new path"
+            )
+        # The index goes first: from here on the folder is an incomplete checkpoint, never a
+        # complete one whose files are being rewritten underneath it.
+        for name in committed:
+            self._retried(lambda path=fsio.join(root, name): fsio.remove(fs, path), "remove", fsio.join(root, name))
+        keep = {f.name for f in layout.files}
+        stale = [fsio.join(root, n) for n in names if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)]
+        self._retried(lambda: fsio.remove_many(fs, stale), "remove leftovers under", root)
+        if local:
+            fs.makedirs(fsio.join(root, STAGING_DIR), exist_ok=True)
+        if make_files:
+            self._make_files(layout)
+
+    def _make_files(self, layout: Layout) -> None:
+        """(``prepare``'s last step) Make what the ranks write into; nothing by default."""
+
+    def undo_prepare(self, layout: Layout) -> None:
+        """Undo what ``prepare`` made when the save fails before any rank writes (S3: abort the
+        uploads it created); never raises."""
+
+    def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str], completed: Collection[int] = ()) -> None:
+        """(``consolidate``) Take over an interrupted save: its layout, every rank's write items
+        (``plans``), and on S3 the uploads it created (``completed``: those it had completed)."""
+
+    def rank_data(self, world: int) -> list[Any] | None:
+        """(after ``prepare``) What each rank must be told besides its place in the layout (one
+        entry per rank, ``RankPlan.store``), or ``None``."""
+        return None
+
+    def record_uploads(self) -> Mapping[int, str]:
+        """What the save record keeps of the store's own objects (S3: the multipart uploads)."""
+        return {}
+
+    # -- 3. each rank ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
+        """(each rank) Write this rank's own bytes; durable (or uploaded) when it returns."""
+
+    def abort(self, rank_plan: RankPlan) -> None:
+        """(a rank whose part failed) Stop the save's other work where the store can (S3: abort
+        its uploads, so no rank goes on writing a doomed checkpoint); never raises."""
+
+    # -- 4. each rank with tasks ----------------------------------------------------------------
+
+    def run_task(self, task: Any, rank_plan: RankPlan) -> tuple[int, dict[str, Any] | None]:
+        """(each rank with finishing work) Do one task; returns ``(file, ETag entry or None)``."""
+        raise NotImplementedError(f"{type(self).__name__} plans no finishing tasks")
+
+    # -- 5. coordinator ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def complete(self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, Finished]) -> None:
+        """(coordinator) Make every file whole, before the index is written."""
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write a small file whole: readers see all of it or nothing (and it is durable)."""
+        fsio.write_atomic(self.fs, path, data)
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def staged_path(self, file_name: str, rank: int, *, source: bool = False) -> str:
+        """Where ``rank`` stages its bytes of output file ``file_name`` (``source``: where merges
+        read them, which differs when finishing an interrupted save elsewhere)."""
+        root = self.source[1] if source and self.source is not None else self.root
+        return staged_path(root, file_name, rank)
+
+    def _retried(self, fn: Callable[[], Any], operation: str, path: str) -> Any:
+        """``fn()`` under the retry policy (fsspec requests: s3fs retries neither a 500 nor a
+        reset); a permanent failure keeps its own error."""
+        return self.retry.call(fn, operation=operation, url=fsio.url_of(self.fs, path), keep_permanent=True)
+
+
+def staged_path(root: str, file_name: str, rank: int) -> str:
+    """Where ``rank`` stages its bytes of output file ``file_name`` of the checkpoint at ``root``."""
+    return posixpath.join(root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
+
+
+def in_write_order(items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]) -> list[WriteItem]:
+    """A rank's items of one file in output order (by the chunk's first byte: for chunks of one
+    tensor, the order of their offsets), the order it stages them in; ``plan/placed.py`` sorts alike."""
+    return sorted(items, key=lambda it: (tensor_start(it), tuple(it.tensor_data.chunk.offsets)))  # type: ignore[union-attr]
+
+
+def tensor_bytes(item: WriteItem) -> int:
+    """Bytes of the whole tensor (not the chunk) in the saved dtype."""
+    td = item.tensor_data
+    assert td is not None
+    return math.prod(td.size) * element_size(td.properties.dtype)
+
+
+def chunk_bytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None
+    return math.prod(td.chunk.sizes) * element_size(td.properties.dtype)
