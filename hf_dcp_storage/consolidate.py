@@ -17,31 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ._progress import NO_PROGRESS, Progress
 from .format.index import INDEX_NAME
 from .io import fsio
 from .io.parallel import parallel_map
-from .io.records import (
-    COMPLETION_RECORD,
-    SAVE_RECORD,
-    CompletionRecord,
-    RankRecord,
-    SaveRecord,
-    rank_record_name,
-)
+from .io.records import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, RankRecord, SaveRecord, rank_record_name
 from .io.retry import RetryPolicy
 from .plan.layout import Layout, layout_from_files
 from .plan.rankplan import FINISHED, Finished, Written

@@ -29,13 +29,7 @@ from ._steps import COMMIT_MARKER, parse_step
 from .format.header import DTYPE_TO_NAME, HeaderError
 from .format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index
 from .io import fsio
-from .io.files import (
-    Folder,
-    ReadRange,
-    read_header,
-    read_index,
-    scan_folder,
-)
+from .io.files import Folder, ReadRange, read_header, read_index, scan_folder
 from .io.parallel import parallel_map
 from .io.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
 from .io.retry import RetryPolicy

@@ -7,11 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import torch
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    create_default_local_load_plan,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 

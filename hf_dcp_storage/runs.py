@@ -27,7 +27,6 @@ from fsspec import AbstractFileSystem
 from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
 from .io import fsio
 from .io.parallel import parallel_map
-from .stores.s3_requests import abort_uploads_under
 
 __all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step"]
 
@@ -153,7 +152,11 @@ def remove_step(fs: AbstractFileSystem, root: str, step: int) -> None:
     """
     folder = fsio.join(root, step_name(step))
     fsio.remove(fs, fsio.join(folder, COMMIT_MARKER))
-    abort_uploads_under(fs, folder)
+    if fsio.is_s3(fs):
+        # Imported here: the listing and pruning tools start without torch, which stores import.
+        from .stores.s3 import abort_uploads_under
+
+        abort_uploads_under(fs, folder)
     fsio.remove_tree(fs, folder)
 
 

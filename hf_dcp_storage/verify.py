@@ -57,17 +57,7 @@ from .format.index import (
     recorded_headers,
     weight_map_of,
 )
-from .inspection import (
-    DCP_METADATA,
-    FORMAT_DCP,
-    FORMAT_HF,
-    _check_thread_count,
-    dcp_metadata,
-    is_step_folder,
-    open_checkpoint,
-    range_reader,
-    safetensors_files,
-)
+from .inspection import DCP_METADATA, FORMAT_DCP, FORMAT_HF, _check_thread_count, dcp_metadata, is_step_folder, open_checkpoint, range_reader, safetensors_files
 from .io import fsio
 from .io.files import Folder, read_header, read_index
 from .io.parallel import parallel_map

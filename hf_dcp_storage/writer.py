@@ -17,12 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -34,32 +29,10 @@ from .io.items import item_slabs
 from .io.parallel import parallel_map
 from .io.records import SAVE_RECORD, SaveRecord, rank_record, rank_record_name
 from .io.retry import RetryPolicy
-from .plan.compact import (
-    LocalChunks,
-    TablePlan,
-    check_and_dedup,
-    encode_local,
-    gather,
-    table_plans,
-)
-from .plan.layout import (
-    Layout,
-    index_bytes,
-    parse_size,
-    plan_layout,
-    whole_tensor_metadata,
-)
+from .plan.compact import LocalChunks, TablePlan, check_and_dedup, encode_local, gather, table_plans
+from .plan.layout import Layout, index_bytes, parse_size, plan_layout, whole_tensor_metadata
 from .plan.placed import place_chunks
-from .plan.rankplan import (
-    FINISHED,
-    Finished,
-    RankPlan,
-    combine_checksums,
-    meets,
-    pack_results,
-    rank_plans,
-    unpack_table,
-)
+from .plan.rankplan import FINISHED, Finished, RankPlan, combine_checksums, meets, pack_results, rank_plans, unpack_table
 from .stores import open_store, store_for_mode
 from .stores.base import STAGING_DIR, MergeStats, Store
 

@@ -12,13 +12,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 from ..format.header import decode_header, header_length
-from ..format.index import (
-    INDEX_NAME,
-    SINGLE_FILE_NAME,
-    FileHeader,
-    parse_index,
-    recorded_headers,
-)
+from ..format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index, recorded_headers
 from . import fsio
 
 __all__ = ["HEADER_PROBE", "ReadRange", "Folder", "read_index", "read_header", "load_weight_map", "scan_folder"]

@@ -30,6 +30,7 @@ __all__ = [
     "resolve",
     "join",
     "is_local",
+    "is_s3",
     "url_of",
     "forget",
     "read_range",
@@ -69,6 +70,11 @@ def join(root: str, *parts: str) -> str:
 
 def is_local(fs: AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
+
+
+def is_s3(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is s3fs (S3 or an S3-compatible endpoint), told without importing it."""
+    return type(fs).__module__.split(".")[0] == "s3fs"
 
 
 def url_of(fs: AbstractFileSystem, path: str) -> str:

@@ -13,12 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ..format.header import TensorEntry, decode_header, dtype_name, encode_header

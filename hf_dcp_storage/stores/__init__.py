@@ -10,10 +10,9 @@ from ..io.retry import RetryPolicy
 from .base import Ranges, Store
 from .local import LocalStore
 from .s3 import S3Ranges, S3Store
-from .s3_requests import is_s3
 from .staged import StagedStore
 
-__all__ = ["open_store", "store_for_mode", "ranges_for", "is_s3"]
+__all__ = ["open_store", "store_for_mode", "ranges_for"]
 
 _BY_MODE: dict[str, type[Store]] = {cls.mode: cls for cls in (LocalStore, StagedStore, S3Store)}
 
@@ -32,7 +31,7 @@ def open_store(fs: AbstractFileSystem, root: str, *, direct_write: bool | None, 
             f"direct_write=True needs positioned writes, which {where or fsio.url_of(fs, root)} does not "
             f"support; use direct_write=None (automatic) or False"
         )
-    if is_s3(fs):
+    if fsio.is_s3(fs):
         kind: type[Store] = S3Store
     elif fsio.is_local(fs) and direct_write is not False:
         kind = LocalStore
@@ -48,4 +47,4 @@ def store_for_mode(mode: str, fs: AbstractFileSystem, root: str, *, retry: Retry
 
 def ranges_for(fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
     """How loads read byte ranges of ``fs``'s objects."""
-    return S3Ranges(fs, retry) if is_s3(fs) else Ranges(fs, retry)
+    return S3Ranges(fs, retry) if fsio.is_s3(fs) else Ranges(fs, retry)

@@ -34,26 +34,10 @@ from ..plan.rankplan import Finished, RankPlan, Written, WrittenRows
 from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
 from ..plan.s3plan import S3RankPlan, plan_s3, s3_rank_plans
 from ..plan.spread import GatherTask, GatherTasks
-from .base import (
-    STAGING_DIR,
-    Ranges,
-    Slabs,
-    Store,
-    chunk_bytes,
-    in_write_order,
-    tensor_bytes,
-)
-from .s3_requests import (
-    S3,
-    MultipartWriter,
-    PartAssembler,
-    PartUploader,
-    complete_file,
-    gather_bytes,
-    quietly,
-)
+from .base import STAGING_DIR, Ranges, Slabs, Store, chunk_bytes, in_write_order, tensor_bytes
+from .s3_requests import S3, MultipartWriter, PartAssembler, PartUploader, complete_file, gather_bytes, quietly, s3_for
 
-__all__ = ["S3Store", "S3Ranges"]
+__all__ = ["S3Store", "S3Ranges", "abort_uploads_under"]
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +251,19 @@ class S3Store(Store):
             logger.warning("could not read the save record %s (%s); aborting the uploads this rank knows of", where, exc)
         self.uploads = uploads
         self.abort_uploads(rank_plan.files)
+
+
+def abort_uploads_under(fs: AbstractFileSystem, folder: str, retry: RetryPolicy | None = None) -> int:
+    """Abort every unfinished multipart upload under ``folder`` (``bucket/key``) if ``fs`` is
+    s3fs; returns how many. Such uploads (of a killed save) are invisible in listings but
+    billed, and only a save to the same path would otherwise abort them."""
+    s3 = s3_for(fs, retry or RetryPolicy())
+    if s3 is None:
+        return 0
+    bucket = folder.split("/", 1)[0]
+    orphans = s3.list_uploads(folder.rstrip("/") + "/")
+    parallel_map(lambda o: s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, 8)
+    return len(orphans)
 
 
 class _Sources:

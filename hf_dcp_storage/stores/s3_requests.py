@@ -29,13 +29,14 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
+from ..io import fsio
 from ..io.parallel import parallel_map
 from ..io.retry import RetryPolicy
 from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
 from ..plan.spread import Source
 from .base import MergeStats
 
-__all__ = ["S3", "is_s3", "s3_for", "abort_uploads_under", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "complete_file", "gather_bytes", "quietly"]
+__all__ = ["S3", "s3_for", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "complete_file", "gather_bytes", "quietly"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,27 +44,9 @@ logger = logging.getLogger(__name__)
 _IN_FLIGHT = 2
 
 
-def is_s3(fs: AbstractFileSystem) -> bool:
-    """Whether ``fs`` is s3fs (S3 or an S3-compatible endpoint)."""
-    return type(fs).__module__.split(".")[0] == "s3fs"
-
-
 def s3_for(fs: AbstractFileSystem, retry: RetryPolicy) -> S3 | None:
     """An :class:`S3` over ``fs`` if it is an s3fs filesystem, else ``None`` (generic path)."""
-    return S3(fs, retry) if is_s3(fs) else None
-
-
-def abort_uploads_under(fs: AbstractFileSystem, folder: str, retry: RetryPolicy | None = None) -> int:
-    """Abort every unfinished multipart upload under ``folder`` (``bucket/key``) if ``fs`` is
-    s3fs; returns how many. Such uploads (of a killed save) are invisible in listings but
-    billed, and only a save to the same path would otherwise abort them."""
-    s3 = s3_for(fs, retry or RetryPolicy())
-    if s3 is None:
-        return 0
-    bucket = folder.split("/", 1)[0]
-    orphans = s3.list_uploads(folder.rstrip("/") + "/")
-    parallel_map(lambda o: s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, 8)
-    return len(orphans)
+    return S3(fs, retry) if fsio.is_s3(fs) else None
 
 
 def multipart_etag(parts: Sequence[dict[str, Any]]) -> str | None:
