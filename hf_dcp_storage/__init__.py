@@ -6,7 +6,7 @@
     dcp.save(state_dict, storage_writer=HFStorageWriter("s3://bucket/run/step_1000"))
     dcp.load(state_dict, storage_reader=HFStorageReader("s3://bucket/run/step_1000"))
 
-The command line ``hf-dcp`` (``cli.py``) and the checkpoint tools behind it are exported here too.
+The command line ``hf-dcp`` (``tools/cli.py``) and the checkpoint tools behind it are exported here too.
 Names load on first use (PEP 562), so ``hf-dcp ls`` and ``prune`` start without importing torch.
 """
 
@@ -24,14 +24,14 @@ _EXPORTS = {
     "HFSavePlanner": "planner",
     "HFLoadPlanner": "planner",
     "RetryPolicy": "io.retry",
-    "CheckpointManager": "manager",
-    "inspect_checkpoint": "inspection",
-    "verify_checkpoint": "verify",
-    "consolidate_checkpoint": "consolidate",
-    "convert_dcp_to_hf": "convert",
-    "convert_hf_to_dcp": "convert",
-    "list_steps": "runs",
-    "prune_run": "runs",
+    "CheckpointManager": "steps.manager",
+    "inspect_checkpoint": "tools.inspection",
+    "verify_checkpoint": "tools.verify",
+    "consolidate_checkpoint": "tools.consolidate",
+    "convert_dcp_to_hf": "tools.convert",
+    "convert_hf_to_dcp": "tools.convert",
+    "list_steps": "steps.runs",
+    "prune_run": "steps.runs",
 }
 __all__ = [
     "HFStorageWriter",
@@ -50,15 +50,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .consolidate import consolidate_checkpoint
-    from .convert import convert_dcp_to_hf, convert_hf_to_dcp
-    from .inspection import inspect_checkpoint
     from .io.retry import RetryPolicy
-    from .manager import CheckpointManager
     from .planner import HFLoadPlanner, HFSavePlanner
     from .reader import HFStorageReader
-    from .runs import list_steps, prune_run
-    from .verify import verify_checkpoint
+    from .steps.manager import CheckpointManager
+    from .steps.runs import list_steps, prune_run
+    from .tools.consolidate import consolidate_checkpoint
+    from .tools.convert import convert_dcp_to_hf, convert_hf_to_dcp
+    from .tools.inspection import inspect_checkpoint
+    from .tools.verify import verify_checkpoint
     from .writer import HFStorageWriter
 
 

@@ -321,7 +321,7 @@ def bare_kill(url: str, options: dict | None, moment: str, kind: str, world: int
     from hf_dcp_storage.io import fsio as _fsio
     from hf_dcp_storage import verify_checkpoint
     from hf_dcp_storage.format.index import INDEX_NAME
-    from hf_dcp_storage.cli import main
+    from hf_dcp_storage.tools.cli import main
 
     outcome = KillOutcome(moment, kind, 0)
     result = run_job(_bare_job, world, url, options, (moment, kind), timeout=JOB_TIMEOUT)

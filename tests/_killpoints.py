@@ -44,7 +44,7 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
     """Make this rank die at ``moment`` of the next save (``step``: the step a manager saves)."""
     if moment not in MOMENTS:
         raise ValueError(f"moment={moment!r} is not one of {MOMENTS}")
-    import hf_dcp_storage.manager as manager
+    import hf_dcp_storage.steps.manager as manager
     import hf_dcp_storage.writer as writer
 
     die = kill_job if kind == "job" else kill_self
@@ -128,7 +128,7 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
         def marker_then_die(fs: Any, root: str, s: int) -> None:
             if step is not None and s < step and first_one():
                 from hf_dcp_storage.io import fsio as _fsio
-                from hf_dcp_storage._steps import COMMIT_MARKER, step_name
+                from hf_dcp_storage.steps.retention import COMMIT_MARKER, step_name
 
                 _fsio.remove(fs, _fsio.join(root, step_name(s), COMMIT_MARKER))
                 die()

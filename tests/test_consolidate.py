@@ -30,8 +30,8 @@ from hf_dcp_storage.format.header import TensorEntry, encode_header
 from hf_dcp_storage.io.records import ItemRecord, RankRecord, RecordError, SaveRecord
 from hf_dcp_storage.plan.layout import layout_from_files
 from hf_dcp_storage import writer as writer_module
-from hf_dcp_storage.consolidate import consolidate_checkpoint
-from hf_dcp_storage.inspection import inspect_checkpoint
+from hf_dcp_storage.tools.consolidate import consolidate_checkpoint
+from hf_dcp_storage.tools.inspection import inspect_checkpoint
 
 STAGING = ".hf_dcp_staging"
 INDEX = "model.safetensors.index.json"

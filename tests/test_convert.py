@@ -1,4 +1,4 @@
-"""DCP <-> HF conversion (``hf_dcp_storage.convert``) on real checkpoints.
+"""DCP <-> HF conversion (``hf_dcp_storage.tools.convert``) on real checkpoints.
 
 DCP sources are written by ``dcp.save`` itself: one spawn of 2 gloo ranks (the module fixture
 ``dist_ckpt``: ``Shard(0)`` and ``Shard(1)`` DTensors, even and uneven, a replicated plain
@@ -31,8 +31,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from _data import assert_checksums, assert_same, folder_bytes, random_tensor, read_checkpoint, seed_of
 from _dist import run_ranks
-from hf_dcp_storage import HFStorageReader, HFStorageWriter, convert
-from hf_dcp_storage.convert import (
+from hf_dcp_storage import HFStorageReader, HFStorageWriter
+from hf_dcp_storage.tools import convert
+from hf_dcp_storage.tools.convert import (
     ConvertReport,
     KeyMapping,
     KeyMappingError,
@@ -481,7 +482,7 @@ def test_broken_dcp_sources_are_refused_before_writing(tmp_path: Path) -> None:
 _MEASURE = textwrap.dedent(
     """
     import json, sys
-    import hf_dcp_storage.convert as convert
+    import hf_dcp_storage.tools.convert as convert
 
     def status(field):
         with open("/proc/self/status") as f:

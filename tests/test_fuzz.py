@@ -41,8 +41,8 @@ from hf_dcp_storage import HFStorageReader, HFStorageWriter
 from hf_dcp_storage.format.header import MAX_HEADER_BYTES, NAME_TO_DTYPE, HeaderError, TensorEntry, decode_header, encode_header
 from hf_dcp_storage.io.files import HEADER_PROBE, read_header
 from hf_dcp_storage.format.index import checksum_table, parse_index, recorded_headers
-from hf_dcp_storage._steps import RetentionPolicy, parse_step, step_name, to_remove
-from hf_dcp_storage.keymap import KeyMapping, KeyMappingError, Renaming, load_key_mapping
+from hf_dcp_storage.steps.retention import RetentionPolicy, parse_step, step_name, to_remove
+from hf_dcp_storage.tools.keymap import KeyMapping, KeyMappingError, Renaming, load_key_mapping
 
 INDEX = "model.safetensors.index.json"
 SHARD_1 = "model-00001-of-00002.safetensors"
@@ -1050,7 +1050,7 @@ def test_verify_refuses_a_recorded_header_that_says_another_dtype(work: Path, pr
 
 def test_verify_checkpoint_reports_a_recorded_size_that_is_not_the_files(work: Path, pristine: Pristine) -> None:
     """Before: a copy recording a larger size than its (sound) file passed verification."""
-    from hf_dcp_storage.verify import verify_checkpoint
+    from hf_dcp_storage.tools.verify import verify_checkpoint
 
     index = pristine.index()
     index["metadata"]["headers"][SHARD_2]["size"] += 1000

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from _data import random_tensor, tensor_crc32
 from hf_dcp_storage import CheckpointManager, HFStorageWriter
-from hf_dcp_storage.inspection import inspect_checkpoint
-from hf_dcp_storage.verify import BLOCK_BYTES, VerifyReport, verify_checkpoint
+from hf_dcp_storage.tools.inspection import inspect_checkpoint
+from hf_dcp_storage.tools.verify import BLOCK_BYTES, VerifyReport, verify_checkpoint
 
 INDEX = "model.safetensors.index.json"
 STAGING = ".hf_dcp_staging"

@@ -12,7 +12,7 @@ import torch
 
 from _data import assert_same, read_checkpoint
 from hf_dcp_storage import CheckpointManager
-from hf_dcp_storage._steps import RetentionPolicy, parse_step, step_name, to_remove
+from hf_dcp_storage.steps.retention import RetentionPolicy, parse_step, step_name, to_remove
 
 
 # -- pure rules ------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hf_dcp_storage import CheckpointManager
-from hf_dcp_storage._steps import COMMIT_MARKER, RetentionPolicy, to_remove
-from hf_dcp_storage.runs import PruneResult, StepInfo, _posix_mtime, list_steps, prune_run, remove_step, step_status
+from hf_dcp_storage.steps.retention import COMMIT_MARKER, RetentionPolicy, to_remove
+from hf_dcp_storage.steps.runs import PruneResult, StepInfo, _posix_mtime, list_steps, prune_run, remove_step, step_status
 
 COMPLETE = (10, 20, 30, 40)
 OLD_CRASH, IN_FLIGHT = 15, 50  # incomplete: older than the newest complete step, and newer

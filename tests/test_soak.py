@@ -1,7 +1,7 @@
 """The soak (``_soak.py``), short: seeded fault schedules over many saves and loads, against moto.
 
 The long version is ``scripts/soak_s3.py`` (results in ``benchmarks/results/``). Below it, one
-test per bug the soak found and fixed (``_s3.py``, ``reader.py``, ``io/retry.py``, ``writer.py``).
+test per bug the soak found and fixed (``stores/s3_requests.py``, ``reader.py``, ``io/retry.py``, ``writer.py``).
 """
 
 from __future__ import annotations

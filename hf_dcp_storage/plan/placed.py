@@ -7,7 +7,7 @@ thousands of ranks there are millions of chunks, so this is numpy over one row p
 a Python step per chunk.
 
 A rank writes (stages) its chunks of a file in output order: by the chunk's first byte in the
-file (``writer._in_write_order`` sorts the same way), so where each chunk starts in the rank's
+file (``stores/base.py``'s ``in_write_order`` sorts the same way), so where each chunk starts in the rank's
 staged object follows from the sizes of its earlier chunks. Pure: no I/O.
 """
 

@@ -2,7 +2,7 @@
 
 The coordinator plans every file's parts from the byte runs the chunks make in it
 (``plan/s3parts.plan_file_parts``) and, for each gathered part, where its bytes sit in the ranks'
-staged objects, given out to the ranks by bytes, each rank's share one ``_spread.GatherTasks``.
+staged objects, given out to the ranks by bytes, each rank's share one ``plan/spread.py`` ``GatherTasks``.
 A column-sharded tensor makes one run per row per rank (161 M runs at 405B over 1,024 x 8
 ranks): such a tensor is one run of mixed ranks here, always gathered, and its chunks are named
 whole in the tasks, so nothing is ever done per row on the coordinator. Everything else is numpy

@@ -21,18 +21,18 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ._progress import NO_PROGRESS, Progress
-from .format.index import INDEX_NAME
-from .io import fsio
-from .io.parallel import parallel_map
-from .io.records import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, RankRecord, SaveRecord, rank_record_name
-from .io.retry import RetryPolicy
-from .plan.layout import Layout, layout_from_files
-from .plan.rankplan import FINISHED, Finished, Written
-from .stores.base import STAGING_DIR
-from .stores.s3 import S3Store
-from .stores.s3_requests import multipart_etag
-from .writer import HFStorageWriter
+from ..format.index import INDEX_NAME
+from ..io import fsio
+from ..io.parallel import parallel_map
+from ..io.records import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, RankRecord, SaveRecord, rank_record_name
+from ..io.retry import RetryPolicy
+from ..plan.layout import Layout, layout_from_files
+from ..plan.rankplan import FINISHED, Finished, Written
+from ..stores.base import STAGING_DIR
+from ..stores.s3 import S3Store
+from ..stores.s3_requests import multipart_etag
+from ..writer import HFStorageWriter
+from .progress import NO_PROGRESS, Progress
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 

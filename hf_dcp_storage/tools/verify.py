@@ -41,11 +41,9 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ._progress import NO_PROGRESS, Progress
-from ._steps import COMMIT_MARKER
-from .format.crc import crc32_combine
-from .format.header import HeaderError
-from .format.index import (
+from ..format.crc import crc32_combine
+from ..format.header import HeaderError
+from ..format.index import (
     CHECKSUMS_KEY,
     HEADERS_KEY,
     INDEX_NAME,
@@ -57,12 +55,14 @@ from .format.index import (
     recorded_headers,
     weight_map_of,
 )
+from ..io import fsio
+from ..io.files import Folder, read_header, read_index
+from ..io.parallel import parallel_map
+from ..steps.manager import TRAINING_STATE_DIR, _rank_file
+from ..steps.retention import COMMIT_MARKER
+from ..writer import STAGING_DIR
 from .inspection import DCP_METADATA, FORMAT_DCP, FORMAT_HF, _check_thread_count, dcp_metadata, is_step_folder, open_checkpoint, range_reader, safetensors_files
-from .io import fsio
-from .io.files import Folder, read_header, read_index
-from .io.parallel import parallel_map
-from .manager import TRAINING_STATE_DIR, _rank_file
-from .writer import STAGING_DIR
+from .progress import NO_PROGRESS, Progress
 
 __all__ = ["BLOCK_BYTES", "Problem", "VerifyReport", "verify_checkpoint"]
 

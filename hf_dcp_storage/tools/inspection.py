@@ -25,18 +25,18 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ._steps import COMMIT_MARKER, parse_step
-from .format.header import DTYPE_TO_NAME, HeaderError
-from .format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index
-from .io import fsio
-from .io.files import Folder, ReadRange, read_header, read_index, scan_folder
-from .io.parallel import parallel_map
-from .io.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
-from .io.retry import RetryPolicy
-from .manager import TRAINING_STATE_DIR
-from .plan.layout import element_size, layout_from_files
-from .stores import ranges_for
-from .writer import STAGING_DIR
+from ..format.header import DTYPE_TO_NAME, HeaderError
+from ..format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index
+from ..io import fsio
+from ..io.files import Folder, ReadRange, read_header, read_index, scan_folder
+from ..io.parallel import parallel_map
+from ..io.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
+from ..io.retry import RetryPolicy
+from ..plan.layout import element_size, layout_from_files
+from ..steps.manager import TRAINING_STATE_DIR
+from ..steps.retention import COMMIT_MARKER, parse_step
+from ..stores import ranges_for
+from ..writer import STAGING_DIR
 
 __all__ = [
     "FORMAT_HF",

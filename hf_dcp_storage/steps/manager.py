@@ -34,14 +34,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._steps import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
-from ._trainstate import capture_rng, join, restore_rng, split
-from .io import fsio
-from .io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
-from .io.retry import RetryPolicy
-from .reader import HFStorageReader
+from ..io import fsio
+from ..io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
+from ..io.retry import RetryPolicy
+from ..reader import HFStorageReader
+from ..writer import HFStorageWriter
+from .retention import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from .runs import remove_step, step_status
-from .writer import HFStorageWriter
+from .trainstate import capture_rng, join, restore_rng, split
 
 __all__ = ["CheckpointManager", "TRAINING_STATE_DIR"]
 

@@ -3,13 +3,13 @@
 A run folder (``CheckpointManager``'s root) holds ``step_{N}`` folders; a step is complete only
 once its commit marker ``COMMITTED`` exists (written last). ``CheckpointManager`` and the
 ``hf-dcp ls`` / ``hf-dcp prune`` commands share this module, so the tool and the training job
-see the same steps and apply the same retention rules (``_steps.RetentionPolicy``).
+see the same steps and apply the same retention rules (``steps/retention.py``: ``RetentionPolicy``).
 
 ``list_steps`` (sizes, times: ``hf-dcp ls``) is one recursive listing of the whole run (on S3 one
 paginated LIST, not one request per step). Retention and ``latest()`` need only which steps are
 complete: ``step_status`` lists the run's top level and checks each step's marker, whatever the
 number of files inside the steps (thousands per step at thousands of ranks). Names are parsed
-strictly (``_steps.parse_step``), so other folders and files (``logs``,
+strictly (``steps/retention.py``: ``parse_step``), so other folders and files (``logs``,
 ``step_01``, ``notes.txt``) are never listed, counted or touched.
 """
 
@@ -24,9 +24,9 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ._steps import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
-from .io import fsio
-from .io.parallel import parallel_map
+from ..io import fsio
+from ..io.parallel import parallel_map
+from .retention import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
 
 __all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step"]
 
@@ -154,7 +154,7 @@ def remove_step(fs: AbstractFileSystem, root: str, step: int) -> None:
     fsio.remove(fs, fsio.join(folder, COMMIT_MARKER))
     if fsio.is_s3(fs):
         # Imported here: the listing and pruning tools start without torch, which stores import.
-        from .stores.s3 import abort_uploads_under
+        from ..stores.s3 import abort_uploads_under
 
         abort_uploads_under(fs, folder)
     fsio.remove_tree(fs, folder)

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from . import __version__
-from ._progress import NO_PROGRESS, Progress
+from .. import __version__
+from .progress import NO_PROGRESS, Progress
 
 __all__ = ["main", "parse_storage_options"]
 
@@ -194,7 +194,7 @@ def _convert(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _ls(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from .runs import list_steps
+    from ..steps.runs import list_steps
 
     steps = list_steps(args.run_dir, storage_options=options)
     if args.json:
@@ -208,7 +208,7 @@ def _ls(args: argparse.Namespace, options: dict[str, Any]) -> int:
 
 
 def _prune(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from .runs import prune_run
+    from ..steps.runs import prune_run
 
     result = prune_run(
         args.run_dir, keep_last_n=args.keep, keep_every=args.keep_every, dry_run=args.dry_run,
@@ -351,7 +351,7 @@ def _progress(args: argparse.Namespace) -> _Bar | _Quiet:
 
 def _source_format(src: str, options: dict[str, Any]) -> str:
     """``dcp`` when SRC has DCP's ``.metadata``, else ``hf`` (convert checks the rest)."""
-    from .io import fsio
+    from ..io import fsio
 
     fs, root = fsio.resolve(src, options)
     return "dcp" if fsio.exists(fs, fsio.join(root, ".metadata")) else "hf"

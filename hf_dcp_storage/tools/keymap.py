@@ -10,8 +10,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .format.strictjson import loads_strict
-from .io import fsio
+from ..format.strictjson import loads_strict
+from ..io import fsio
 
 __all__ = ["KeyMapping", "KeyMappingError", "Renaming", "load_key_mapping"]
 

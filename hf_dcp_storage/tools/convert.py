@@ -38,15 +38,15 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ._progress import NO_PROGRESS, Progress
-from .format.header import DTYPE_TO_NAME
-from .format.index import INDEX_NAME, SINGLE_FILE_NAME
-from .io import fsio
-from .io.parallel import parallel_map
+from ..format.header import DTYPE_TO_NAME
+from ..format.index import INDEX_NAME, SINGLE_FILE_NAME
+from ..io import fsio
+from ..io.parallel import parallel_map
+from ..plan.layout import element_size
+from ..reader import HFStorageReader
+from ..writer import HFStorageWriter
 from .keymap import KeyMapping, KeyMappingError, Renaming, load_key_mapping
-from .plan.layout import element_size
-from .reader import HFStorageReader
-from .writer import HFStorageWriter
+from .progress import NO_PROGRESS, Progress
 
 __all__ = [
     "ConvertReport",
