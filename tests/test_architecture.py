@@ -1,0 +1,149 @@
+"""The layout of the package, pinned: one module per destination kind, the writer only speaks DCP,
+and data flows down the layers without climbing back.
+
+    tools -> steps -> writer, reader, planner -> stores -> io -> plan -> format
+
+A module imports only from its own layer or the layers below (function-level imports count:
+they are dependencies too); there is no import cycle; ``plan/`` and ``format/`` touch no file
+and import no fsspec; S3 requests are made only by the S3 store; no module is over 450 lines
+and ``writer.py`` is at most 400.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import hf_dcp_storage
+
+PACKAGE = pathlib.Path(hf_dcp_storage.__file__).parent
+LAYERS = {"format": 0, "plan": 1, "io": 2, "stores": 3, "writer": 4, "reader": 4, "planner": 4, "steps": 5, "tools": 6, "__init__": 7, "__main__": 7}
+MAX_LINES, MAX_WRITER_LINES = 450, 400
+# The calls that send a request through s3fs's botocore client, and the module names that may.
+_S3_CLIENT_CALLS = {"get_s3", "_call_s3", "set_session", "_get_s3_method_kwargs"}
+_S3_MODULES = {"stores.s3", "stores.s3_requests"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """``dotted name inside the package -> file`` (``stores.s3``, ``writer``, ``format`` for its ``__init__``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The package modules ``name`` imports, anywhere in it (relative imports resolved)."""
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                found.add(sub if sub in modules else target)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_dcp_storage."):
+            found.add(node.module.removeprefix("hf_dcp_storage."))
+    return {m for m in found if m in modules and m != name}
+
+
+def _layer(name: str) -> int:
+    return LAYERS[name.split(".")[0]]
+
+
+def test_every_module_is_in_a_layer() -> None:
+    assert sorted(m for m in _modules() if m.split(".")[0] not in LAYERS) == []
+
+
+def test_data_flows_down_the_layers() -> None:
+    modules = _modules()
+    climbing = sorted(
+        f"{name} -> {dep}"
+        for name, path in modules.items()
+        for dep in _imports(name, path, modules)
+        if _layer(dep) > _layer(name) or (_layer(dep) == _layer(name) and dep.split(".")[0] != name.split(".")[0])
+    )
+    assert climbing == [], "a module imports from a layer above it (or a sibling at its own level): " + ", ".join(climbing)
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return [*path, node, dep]
+            if dep not in state and (cycle := visit(dep, [*path, node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name, [])
+            assert cycle is None, " -> ".join(cycle[cycle.index(cycle[-1]) :])
+
+
+def test_module_sizes() -> None:
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
+    assert sizes["writer"] <= MAX_WRITER_LINES, f"writer.py has {sizes['writer']} lines; it speaks DCP, the stores do the rest"
+
+
+@pytest.mark.parametrize("package", ["plan", "format"])
+def test_pure_packages_touch_no_file(package: str) -> None:
+    offenders = []
+    for name, path in _modules().items():
+        if name.split(".")[0] != package:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                offenders += [f"{name}: imports {n}" for n in names if n.split(".")[0] in ("fsspec", "os", "pathlib", "io", "shutil", "tempfile")]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                offenders.append(f"{name}: open() at line {node.lineno}")
+    assert offenders == []
+
+
+def test_s3_requests_only_in_the_s3_store() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in _S3_CLIENT_CALLS and name not in _S3_MODULES:
+                offenders.append(f"{name}:{node.lineno} .{node.attr}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                offenders += [f"{name}: imports {n}" for n in names if n.split(".")[0] in ("s3fs", "botocore", "boto3", "aiobotocore")]
+    assert offenders == []
+
+
+def test_every_module_declares_its_surface_and_every_package_says_what_lives_there() -> None:
+    modules = _modules()
+    no_all = [n for n, p in modules.items() if p.name != "__init__.py" and n != "__main__" and "__all__" not in p.read_text()]
+    assert no_all == []
+    for name, path in modules.items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc, f"{name}/__init__.py says nothing of what lives there"
+
+
+def test_the_checks_above_see_a_climbing_import(tmp_path) -> None:
+    # A plan module that imports the writer in a function, and a format module the plan.
+    modules = _modules()
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f():\n    from ..writer import HFStorageWriter\n    from . import layout\n    from ..format.header import dtype_name\n")
+    deps = _imports("plan.fake", fake, modules)
+    assert deps == {"writer", "plan.layout", "format.header"}
+    assert [d for d in deps if _layer(d) > _layer("plan.fake")] == ["writer"]
