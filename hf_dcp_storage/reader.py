@@ -84,6 +84,16 @@ class HFStorageReader(StorageReader):
         ValueError: a tensor whose bytes fail their checksum, naming its file and key.
     """
 
+    # Pickled as its settings and path (DCP's process-based async machinery, or a user's own
+    # process pool): the ranged reader, host buffers and locks are made anew where it lands.
+    _SETTINGS = ("storage_options", "thread_count", "retry", "verify")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.checkpoint_id, **{k: getattr(self, k) for k in self._SETTINGS}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("path"), **state)  # type: ignore[misc]
+
     def __init__(
         self,
         path: str | os.PathLike[str] | None = None,

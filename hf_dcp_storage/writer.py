@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .format.header import dtype_name
 from .format.index import INDEX_NAME
 from .io import fsio, meeting
 from .io.hostbuf import HostBuffers
@@ -32,11 +31,15 @@ from .io.retry import RetryPolicy
 from .plan.compact import LocalChunks, TablePlan, check_and_dedup, encode_local, gather, table_plans
 from .plan.layout import Layout, index_bytes, parse_size, plan_layout, whole_tensor_metadata
 from .plan.placed import place_chunks
-from .plan.rankplan import FINISHED, Finished, RankPlan, combine_checksums, meets, pack_results, rank_plans, unpack_table
+from .plan.rankplan import FINISHED, Finished, RankPlan, check_savable, combine_checksums, compact_plans, meets, pack_results, rank_plans, unpack_table
 from .stores import open_store, store_for_mode
 from .stores.base import STAGING_DIR, MergeStats, Store
 
-__all__ = ["HFStorageWriter", "STAGING_DIR"]
+__all__ = ["HFStorageWriter", "STAGING_DIR", "MERGE_STATS_KEY"]
+
+# Where the ``Metadata`` that ``dcp.save`` returns (and ``async_save``'s future resolves to)
+# carries the save's ``merge_stats``, as a plain dict.
+MERGE_STATS_KEY = "hf_dcp_storage.merge_stats"
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,13 @@ class HFStorageWriter(StorageWriter):
 
     After a save to an object store, the coordinator's ``merge_stats`` tells how many bytes of
     the consolidated files the ranks sent as their own parts, how many were staged and gathered
-    (downloaded and uploaded again), and by which ranks.
+    (downloaded and uploaded again), and by which ranks. The same figures, as a dict, are in
+    the ``Metadata`` the save returns (``metadata.storage_data[MERGE_STATS_KEY]``) and in an
+    INFO log line of the coordinator: where a save runs in a process of its own (DCP's
+    ``AsyncCheckpointerType.PROCESS``), that is where to read them.
+
+    Picklable: it travels as its settings and path, and what cannot travel (the store, host
+    buffers, locks) is made anew where it lands.
 
     Raises:
         ValueError: a bad option, naming it and the accepted values.
@@ -133,6 +142,17 @@ class HFStorageWriter(StorageWriter):
         self.is_coordinator = False
         if path is not None:
             self.reset(path)
+
+    # Pickled as its settings and path (DCP's process-based async save sends the writer to its
+    # background process): the store, host buffers, locks and the saving thread are made anew
+    # there, and a save's state never travels (DCP pickles a writer before its save starts).
+    _SETTINGS = ("storage_options", "fqn_to_index_mapping", "overwrite", "thread_count", "direct_write", "retry", "rank_timeout")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.checkpoint_id, "max_shard_size": self.max_shard_bytes, **{k: getattr(self, k) for k in self._SETTINGS}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("path"), **state)  # type: ignore[misc]
 
     @property
     def merge_stats(self) -> MergeStats:
@@ -179,6 +199,8 @@ class HFStorageWriter(StorageWriter):
         self._refuse_if_busy()
         self._owner = threading.current_thread()
         self.is_coordinator = is_coordinator
+        # dcp.save(..., use_collectives=False): every rank plans and commits alone.
+        self._alone = kwargs.get("use_collectives") is False
 
     def _refuse_if_busy(self) -> None:
         owner = getattr(self, "_owner", None)
@@ -197,15 +219,7 @@ class HFStorageWriter(StorageWriter):
         planner then sees empty plans (nothing to deduplicate or validate);
         ``prepare_global_plan`` does both, linearly, and plans every store's work from the arrays.
         """
-        not_tensors = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
-        if not_tensors:
-            raise ValueError(
-                f"safetensors holds only tensors, but these state-dict values are not tensors: "
-                f"{sorted(set(not_tensors))}. Save them separately (e.g. as JSON) or wrap numbers in torch.tensor()."
-            )
-        for item in plan.items:
-            assert item.tensor_data is not None  # every non-BYTE_IO item carries tensor data
-            dtype_name(item.tensor_data.properties.dtype, key=item.index.fqn)
+        check_savable(plan.items)
         self._local = (list(plan.items), encode_local(plan.items))
         planner_data = plan.planner_data
         if isinstance(planner_data, Mapping) and all(tuple(path) == (key,) for key, path in planner_data.items()):
@@ -216,24 +230,20 @@ class HFStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Plan the whole layout, then prepare the destination for writing."""
-        stale = [rank for rank, p in enumerate(plans) if not p.usable]
-        if stale:
-            # DCP's plan caching sends ``usable=False`` for a plan it reuses, with the previous
-            # save's storage data: its layout, save id and placements, which this save cannot reuse.
-            raise ValueError(
-                f"ranks {stale[:8]} sent a cached plan (DefaultSavePlanner(enable_plan_caching=True)); "
-                f"HFStorageWriter plans every save afresh. Use a planner without enable_plan_caching"
-            )
-        compact = [p.storage_data for p in plans if isinstance(p.storage_data, LocalChunks)]
-        if len(compact) != len(plans):
-            raise RuntimeError(
-                f"{len(plans) - len(compact)} of {len(plans)} ranks sent no compact plan: HFStorageWriter.prepare_local_plan "
-                f"must be the last step of every rank's local planning (a planner that replaces SavePlan.storage_data breaks it)"
-            )
+        compact = compact_plans(plans)
         store = self.store
         assert store is not None
         # Step 1: pure planning: file of each key, headers, where every chunk goes, finishing work.
-        layout, tables, tasks = self._plan_compact(compact)
+        try:
+            layout, tables, tasks = self._plan_compact(compact)
+        except ValueError as exc:
+            if getattr(self, "_alone", False):
+                raise ValueError(
+                    f"HFStorageWriter cannot save this with dcp.save(..., use_collectives=False): in that mode every rank "
+                    f"plans and commits alone, and a consolidated file needs every rank's shards ({exc}). Save with "
+                    f"use_collectives=True (the default), or give each rank whole tensors and a path of its own"
+                ) from None
+            raise
         # Step 2: I/O on the destination, still before any rank writes data.
         self._save_id = store.save_id = uuid.uuid4().hex
         store.prepare(layout, self.overwrite)
@@ -364,15 +374,13 @@ class HFStorageWriter(StorageWriter):
             # checkpoint as HFStorageReader will: one whole-tensor chunk per key.
             metadata.state_dict_metadata.update(whole_tensor_metadata(layout))
         store.put(fsio.join(self.root, INDEX_NAME), index_bytes(layout, checksums))
-        # After the commit: until the index exists, the records are what can finish the save.
-        staging = fsio.join(self.root, STAGING_DIR)
-        try:
-            self.retry.call(lambda: fsio.remove_tree(self.fs, staging), operation="remove the staging folder", url=fsio.url_of(self.fs, staging), keep_permanent=True)
-        except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: a leftover is no failure
-            logger.warning(
-                "%s is committed, but its staging folder could not be removed (%s); `hf-dcp consolidate %s` "
-                "removes it (so does the next save to this path)", self.checkpoint_id, exc, self.checkpoint_id,
-            )
+        # Wherever the save ran (DCP's process-based async save runs it in a process of its
+        # own, whose writer the caller never sees): in what dcp.save returns, and the log.
+        stats = store.merge_stats.as_dict()
+        if metadata is not None:
+            metadata.storage_data = {MERGE_STATS_KEY: stats}
+        logger.info("committed %s: %s", self.checkpoint_id, stats)
+        store.clear_staging()  # after the commit: until the index exists, the records can finish the save
         self._owner = None
 
     def _host_buffers(self, tensor: torch.Tensor) -> HostBuffers:

@@ -76,7 +76,7 @@ def run_job(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; wait until all ended or ``timeout``."""
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="hf_dcp_job_") as job_dir:
-        procs = [ctx.Process(target=_rank_main, args=(rank, world, job_dir, fn, args, env or {}), daemon=True) for rank in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(rank, world, job_dir, fn, args, env or {})) for rank in range(world)]
         started = time.monotonic()
         for p in procs:
             p.start()

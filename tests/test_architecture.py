@@ -147,3 +147,15 @@ def test_the_checks_above_see_a_climbing_import(tmp_path) -> None:
     deps = _imports("plan.fake", fake, modules)
     assert deps == {"writer", "plan.layout", "format.header"}
     assert [d for d in deps if _layer(d) > _layer("plan.fake")] == ["writer"]
+
+
+def test_every_module_imports_with_deprecation_warnings_as_errors() -> None:
+    # As an application that treats warnings as errors imports us (under every supported torch:
+    # scripts/compat.sh runs this suite under 2.14 and 2.15 too).
+    import subprocess
+    import sys
+
+    names = sorted(f"hf_dcp_storage.{m}" if m != "__init__" else "hf_dcp_storage" for m in _modules() if m != "__main__")
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code, *names], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]

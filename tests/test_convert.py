@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -42,6 +41,7 @@ from hf_dcp_storage.tools.convert import (
     load_key_mapping,
     parse_dtype,
 )
+from hf_dcp_storage.tools.dcp_format import FsspecReader
 
 INDEX = "model.safetensors.index.json"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

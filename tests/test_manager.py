@@ -187,8 +187,8 @@ def test_reused_staging_copy_keeps_each_step_its_own_values(tmp_path) -> None:
         for step in (1, 2, 3):
             expected[step] = {k: v.clone() for k, v in sd.items()}
             mgr.save(step, sd, async_save=True)
-            stagers = stagers or mgr._stagers
-            assert stagers is not None and mgr._stagers is stagers  # one copy, refilled
+            stagers = stagers or mgr._background._stagers
+            assert stagers is not None and mgr._background._stagers is stagers  # one copy, refilled
             for t in sd.values():
                 t.add_(100)  # training right after the call: must not leak into this step
             for k, t in sd.items():
@@ -200,9 +200,9 @@ def test_reused_staging_copy_keeps_each_step_its_own_values(tmp_path) -> None:
             for k, v in expected[step].items():
                 assert_same(out[k], v, f"step {step}: {k}")
         mgr.close()
-        assert mgr._stagers is None
+        assert mgr._background._stagers is None
         mgr.save(4, _model(4), async_save=True)  # a fresh copy after close
-    assert mgr._stagers is None  # the with block closed it again
+    assert mgr._background._stagers is None  # the with block closed it again
     out = _model(0)
     assert CheckpointManager(str(tmp_path / "run")).load(out) == 4
     assert_same(out["model.norm.weight"], _model(4)["model.norm.weight"], "step 4")

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..format.header import dtype_name
 from .compact import LocalChunks, TablePlan, xor_shares
 from .layout import Layout, Placement
 from .packed import PackedTuple
@@ -29,6 +30,8 @@ __all__ = [
     "FINISHED",
     "rank_plans",
     "meets",
+    "check_savable",
+    "compact_plans",
     "unpack_table",
     "pack_results",
     "combine_checksums",
@@ -92,6 +95,46 @@ class Finished:
 # The ``WriteResult.index`` of a rank's packed results (compact plans), and of its finishing tasks.
 PACKED = MetadataIndex("__hf_dcp_rank_results__")
 FINISHED = MetadataIndex("__hf_dcp_finishing_tasks__")
+
+
+def check_savable(items: Sequence[WriteItem]) -> None:
+    """(each rank, before anything is written) Refuse what safetensors cannot hold.
+
+    Raises:
+        ValueError: values that are not tensors (all named), or a dtype safetensors has no name for.
+    """
+    not_tensors = [item.index.fqn for item in items if item.type == WriteItemType.BYTE_IO]
+    if not_tensors:
+        raise ValueError(
+            f"safetensors holds only tensors, but these state-dict values are not tensors: "
+            f"{sorted(set(not_tensors))}. Save them separately (e.g. as JSON) or wrap numbers in torch.tensor()."
+        )
+    for item in items:
+        assert item.tensor_data is not None  # every non-BYTE_IO item carries tensor data
+        dtype_name(item.tensor_data.properties.dtype, key=item.index.fqn)
+
+
+def compact_plans(plans: Sequence[SavePlan]) -> list[LocalChunks]:
+    """(coordinator) Every rank's compact plan (``prepare_local_plan``'s ``LocalChunks``).
+
+    Raises:
+        ValueError: a plan DCP's plan caching reused (``usable=False``: the previous save's
+            layout, save id and placements, which this save cannot reuse).
+        RuntimeError: a rank sent no compact plan (a planner replaced ``storage_data``).
+    """
+    stale = [rank for rank, p in enumerate(plans) if not p.usable]
+    if stale:
+        raise ValueError(
+            f"ranks {stale[:8]} sent a cached plan (DefaultSavePlanner(enable_plan_caching=True)); "
+            f"HFStorageWriter plans every save afresh. Use a planner without enable_plan_caching"
+        )
+    compact = [p.storage_data for p in plans if isinstance(p.storage_data, LocalChunks)]
+    if len(compact) != len(plans):
+        raise RuntimeError(
+            f"{len(plans) - len(compact)} of {len(plans)} ranks sent no compact plan: HFStorageWriter.prepare_local_plan "
+            f"must be the last step of every rank's local planning (a planner that replaces SavePlan.storage_data breaks it)"
+        )
+    return compact
 
 
 def rank_plans(

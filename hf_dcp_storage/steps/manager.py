@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -31,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..io import fsio
@@ -39,6 +37,7 @@ from ..io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
 from ..io.retry import RetryPolicy
 from ..reader import HFStorageReader
 from ..writer import HFStorageWriter
+from .background import ASYNC_MODES, BackgroundSaves
 from .retention import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from .runs import remove_step, step_status
 from .trainstate import capture_rng, join, restore_rng, split
@@ -67,9 +66,13 @@ class CheckpointManager:
             allocating a fresh copy each time (DCP's default): less time blocked from the
             second save on, at the price of holding that copy (pinned when CUDA is present)
             between saves. Free it with ``close()``, or use the manager in a ``with`` block.
+        async_mode: where ``save(..., async_save=True)`` writes: ``"thread"`` (a thread of this
+            process) or ``"process"`` (DCP's background process of each rank,
+            ``AsyncCheckpointerType.PROCESS``: the training loop keeps the GIL; the tensors are
+            staged into shared memory; ``steps/background.py``).
 
     Raises:
-        ValueError: a bad retention setting or ``rank_timeout``, naming it.
+        ValueError: a bad retention setting, ``rank_timeout`` or ``async_mode``, naming it.
     """
 
     def __init__(
@@ -85,7 +88,10 @@ class CheckpointManager:
         overwrite: bool = False,
         reuse_staging: bool = False,
         rank_timeout: float = DEFAULT_RANK_TIMEOUT,
+        async_mode: str = "thread",
     ) -> None:
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode={async_mode!r} must be 'thread' (a thread of this process) or 'process' (DCP's background process of each rank)")
         self.policy = RetentionPolicy(keep_last_n, keep_every)
         self.storage_options = storage_options
         self.fs, self.root = fsio.resolve(root, storage_options)
@@ -95,13 +101,9 @@ class CheckpointManager:
         self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
         self._in_flight: tuple[int, Future[int]] | None = None
-        self._async_groups: tuple[Any, Any] | None = None
         self._control_group: Any = None
-        self.reuse_staging = reuse_staging
-        # (model, training state) stagers kept across async saves, with reuse_staging: one
-        # each, since the two saves stage different tensors. A save waits for the previous one
-        # (``save`` calls ``wait`` first), so a staged copy is never refilled while being written.
-        self._stagers: tuple[Any, Any] | None = None
+        self.reuse_staging, self.async_mode = reuse_staging, async_mode
+        self._background = BackgroundSaves(async_mode, reuse_staging)
         _OPEN.add(self)
 
     def close(self) -> None:
@@ -117,20 +119,12 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            stagers, self._stagers = self._stagers, None
-            for stager in stagers or ():
-                stager.close()
-            self._destroy_groups()
+            self._background.close()
+            group, self._control_group = self._control_group, None
+            if group is not None and group is not dist.group.WORLD and dist.is_available() and dist.is_initialized():
+                with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with its job
+                    dist.destroy_process_group(group)
             _OPEN.discard(self)
-
-    def _destroy_groups(self) -> None:
-        groups = [g for g in (*(self._async_groups or ()), self._control_group) if g is not None and g is not dist.group.WORLD]
-        self._async_groups = self._control_group = None
-        if not (dist.is_available() and dist.is_initialized()):
-            return  # the job destroyed every group already (destroy_process_group())
-        for group in groups:
-            with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with its job
-                dist.destroy_process_group(group)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -225,30 +219,15 @@ class CheckpointManager:
                 self._in_flight = None
 
     def _save_async(self, step: int, model_state_dict: Mapping[str, Any], tensors: dict[str, torch.Tensor], model_writer: HFStorageWriter, state_writer: HFStorageWriter | None) -> Future[int]:
-        # Each background save gets a process group of its own: collectives of two threads, or
-        # of a thread and the training loop, must never share one.
-        groups = self._groups()
-        stagers = self._reused_stagers()
-        pending = [_upload_future(dcp.async_save(dict(model_state_dict), storage_writer=model_writer, process_group=groups[0], async_stager=stagers[0]))]
-        if state_writer is not None:
-            pending.append(_upload_future(dcp.async_save(tensors, storage_writer=state_writer, process_group=groups[1], async_stager=stagers[1])))
-        done: Future[int] = Future()
+        _OPEN.add(self)  # again, if it was closed: the exit hook must wait for this save
 
-        def finish() -> None:
-            try:
-                for fut in pending:
-                    fut.result()
-                if self._rank == 0:
-                    # Rank 0's saves return after their commit, i.e. after every rank's bytes.
-                    self._commit(step)
-                    self._prune_local(in_flight=())
-                done.set_result(step)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                done.set_exception(exc)
+        def commit() -> None:
+            if self._rank == 0:
+                # Rank 0's saves return after their commit, i.e. after every rank's bytes.
+                self._commit(step)
+                self._prune_local(in_flight=())
 
-        # Not a daemon: a script that ends right after an async save still commits it (Python
-        # joins such threads before it finalizes) instead of being cut off mid-commit.
-        threading.Thread(target=finish, name=f"hf-dcp-commit-step-{step}").start()
+        done = self._background.start(step, model_state_dict, tensors, model_writer, state_writer, commit)
         self._in_flight = (step, done)
         return done
 
@@ -354,28 +333,6 @@ class CheckpointManager:
         marker = {"step": step, "world_size": self._world, "saved_at": time.time(), "format": 1}
         fsio.write_atomic(self.fs, fsio.join(self.root, step_name(step), COMMIT_MARKER), json.dumps(marker).encode())
 
-    def _reused_stagers(self) -> tuple[Any, Any]:
-        """The stagers async saves use: DCP's default (``None``: a fresh copy per save), or with
-        ``reuse_staging`` two kept ``DefaultStager``s that copy in the caller's thread (the save
-        returns once the copy is done, as with DCP's default)."""
-        if not self.reuse_staging:
-            return None, None
-        if self._stagers is None:
-            _OPEN.add(self)
-            cuda = torch.cuda.is_available()
-            options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
-            self._stagers = (DefaultStager(options), DefaultStager(options))
-        return self._stagers
-
-    def _groups(self) -> tuple[Any, Any]:
-        _OPEN.add(self)  # again, if it was closed: the exit hook must destroy what it makes now
-        if self._async_groups is None:
-            if dist.is_available() and dist.is_initialized():
-                self._async_groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
-            else:
-                self._async_groups = (None, None)
-        return self._async_groups
-
     @property
     def _rank(self) -> int:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -440,8 +397,3 @@ def _tensor_keys(tree: Any) -> list[str]:
     if "__tensor__" in tree:
         return [tree["__tensor__"]]
     return [k for v in tree.values() for k in _tensor_keys(v)]
-
-
-def _upload_future(response: Any) -> Future[Any]:
-    """The future that resolves when an ``async_save`` has written everything."""
-    return getattr(response, "upload_completion", response)

@@ -23,6 +23,7 @@ coordinator, the files' bytes by who moved them.
 
 from __future__ import annotations
 
+import logging
 import math
 import posixpath
 import threading
@@ -54,6 +55,8 @@ __all__ = [
     "chunk_bytes",
 ]
 
+logger = logging.getLogger(__name__)
+
 # The save's own records (``io/records.py``) and per-rank staged objects live here until the
 # coordinator has written the index; then the folder is removed.
 STAGING_DIR = ".hf_dcp_staging"
@@ -81,6 +84,16 @@ class MergeStats:
     coordinator_bytes: int = 0
     by_rank: dict[int, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as plain values (what ``dcp.save`` returns carries, ``writer.py``)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"} | {"client_fraction": self.client_fraction}
 
     def add(self, total: int, gathered: int, here: int) -> None:
         with self._lock:
@@ -221,6 +234,17 @@ class Store(ABC):
     @abstractmethod
     def complete(self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, Finished]) -> None:
         """(coordinator) Make every file whole, before the index is written."""
+
+    def clear_staging(self) -> None:
+        """(coordinator, after the commit) Remove ``.hf_dcp_staging/``, retried; a failure is only
+        logged: the checkpoint is committed, and ``hf-dcp consolidate`` (or the next save to
+        this path) removes what is left."""
+        staging = fsio.join(self.root, STAGING_DIR)
+        try:
+            self._retried(lambda: fsio.remove_tree(self.fs, staging), "remove the staging folder", staging)
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: a leftover is no failure
+            url = fsio.url_of(self.fs, self.root)
+            logger.warning("%s is committed, but its staging folder could not be removed (%s); `hf-dcp consolidate %s` removes it", url, exc, url)
 
     def put(self, path: str, data: bytes) -> None:
         """Write a small file whole: readers see all of it or nothing (and it is durable)."""

@@ -17,7 +17,6 @@ from typing import Any, cast
 import torch
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
@@ -29,7 +28,14 @@ from ..plan.layout import element_size
 from .keymap import Renaming
 from .progress import Progress
 
+try:  # torch >= 2.15: the public module (the private one warns that it is deprecated)
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+except ImportError:  # torch 2.13, 2.14
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
 __all__ = [
+    "FsspecReader",
+    "FsspecWriter",
     "DCP_METADATA_NAME",
     "DISTCP_RE",
     "StoredChunk",

@@ -283,8 +283,8 @@ def dcp_metadata(fs: AbstractFileSystem, root: str, storage_options: dict[str, A
 
     if fsio.is_local(fs):
         return FileSystemReader(root).read_metadata()
-    # Not exported by torch.distributed.checkpoint, but the public class of its fsspec backend.
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    # torch's fsspec backend (its module public from torch 2.15, dcp_format.py imports the right one).
+    from .dcp_format import FsspecReader
 
     return FsspecReader(fsio.url_of(fs, root), **(storage_options or {})).read_metadata()
 
