@@ -20,6 +20,7 @@ from torch.futures import Future
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
+from .io.direct import AlignedBuffers, Descriptors, check_direct_io, pread_run
 from .io.files import load_weight_map, read_header
 from .io.hostbuf import HostBuffers, from_host
 from .io.parallel import parallel_map
@@ -29,7 +30,11 @@ from .plan.layout import chunk_runs, element_size
 from .stores import ranges_for
 from .stores.base import Ranges
 
-__all__ = ["HFStorageReader", "coalesce"]
+__all__ = ["HFStorageReader", "coalesce", "READ_DIRECT_BY_DEFAULT"]
+
+# Whether direct_io=None reads local files with O_DIRECT (see the README's direct I/O section
+# for the measurement this rests on).
+READ_DIRECT_BY_DEFAULT = False
 
 # Remote reads: a gap between needed byte runs up to this size is read rather than skipped,
 # since one more request costs more than that much transfer.
@@ -73,6 +78,9 @@ class HFStorageReader(StorageReader):
             reads every file's own header and checks that, where it decodes, it equals the
             copy the index records (``metadata.headers``): a CRC32 covers a tensor's bytes but
             not the dtype, shape or offsets they are read with.
+        direct_io: on local disk, read each run's aligned superset with ``O_DIRECT`` (no page
+            cache): ``None`` as ``READ_DIRECT_BY_DEFAULT`` decides, ``True`` (an error where the
+            filesystem refuses it), ``False`` never.
 
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is missing.
@@ -86,7 +94,7 @@ class HFStorageReader(StorageReader):
 
     # Pickled as its settings and path (DCP's process-based async machinery, or a user's own
     # process pool): the ranged reader, host buffers and locks are made anew where it lands.
-    _SETTINGS = ("storage_options", "thread_count", "retry", "verify")
+    _SETTINGS = ("storage_options", "thread_count", "retry", "verify", "direct_io")
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.checkpoint_id, **{k: getattr(self, k) for k in self._SETTINGS}}
@@ -102,6 +110,7 @@ class HFStorageReader(StorageReader):
         thread_count: int = 4,
         retry: RetryPolicy | None = None,
         verify: bool = False,
+        direct_io: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -112,6 +121,7 @@ class HFStorageReader(StorageReader):
         self.thread_count = thread_count
         self.retry = retry or RetryPolicy()
         self.verify = verify
+        self.direct_io = check_direct_io(direct_io)
         self._ranges: Ranges | None = None  # how this store's byte ranges are read
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
@@ -202,22 +212,19 @@ class HFStorageReader(StorageReader):
         """(all ranks) Read every item of ``plan`` into ``planner``'s tensors, slab by slab."""
         items = self._kept if plan.storage_data == _KEPT_HERE and not plan.items else plan.items
         local = fsio.is_local(self.fs)
-        fds: dict[str, int] = {}
-        lock = threading.Lock()
-
-        def fd_for(file: str) -> int:
-            with lock:
-                if file not in fds:
-                    fds[file] = os.open(fsio.join(self.root, file), os.O_RDONLY)
-                return fds[file]
+        files = Descriptors(write=False, direct=READ_DIRECT_BY_DEFAULT if self.direct_io is None else self.direct_io, required=self.direct_io is True)
+        buffers = AlignedBuffers()
 
         def fill(stored: _Stored, runs: Iterable[tuple[int, int, int]], view: memoryview) -> None:
             if not local:
                 self._fetch_runs(stored, list(runs), view)
                 return
-            fd, where = fd_for(stored.file), self._url(stored.file)
+            (fd, direct_fd), where = files.open(fsio.join(self.root, stored.file)), self._url(stored.file)
             for t, c, n in runs:
-                fsio.pread_into(fd, view[c : c + n], stored.start + t, where=where)
+                if direct_fd is not None:
+                    pread_run(direct_fd, fd, view[c : c + n], stored.start + t, buffers, where=where)
+                else:
+                    fsio.pread_into(fd, view[c : c + n], stored.start + t, where=where)
 
         try:
             if self.verify:
@@ -228,8 +235,7 @@ class HFStorageReader(StorageReader):
             else:
                 parallel_map(lambda item: self._read_item(item, planner, fill), items, self.thread_count)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            files.close()
             if self._host is not None:
                 self._host.drain()  # the destinations hold every byte before DCP returns them
         fut: Future[None] = Future()

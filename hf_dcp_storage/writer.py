@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from .format.index import INDEX_NAME
 from .io import fsio, meeting
+from .io.direct import check_direct_io
 from .io.hostbuf import HostBuffers
 from .io.items import item_slabs
 from .io.parallel import parallel_map
@@ -88,6 +89,9 @@ class HFStorageWriter(StorageWriter):
             the others stop waiting and fail the save, naming it. Every live rank signals every
             ``rank_timeout / 10`` s (at most 5 s) while it writes, so a slow rank is never cut
             off. Default 120 s (the store's own timeout, 30 min, would apply otherwise).
+        direct_io: local disk: each run's aligned interior written with ``O_DIRECT`` (``None``:
+            where the filesystem takes it; ``True``: or an error; ``False``: never), the same
+            bytes either way; ``merge_stats.direct_io_bytes`` says how much went direct.
 
     After a save to an object store, the coordinator's ``merge_stats`` tells how many bytes of
     the consolidated files the ranks sent as their own parts, how many were staged and gathered
@@ -115,6 +119,7 @@ class HFStorageWriter(StorageWriter):
         direct_write: bool | None = None,
         retry: RetryPolicy | None = None,
         rank_timeout: float = meeting.DEFAULT_RANK_TIMEOUT,
+        direct_io: bool | None = None,
     ) -> None:
         super().__init__()
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -131,6 +136,7 @@ class HFStorageWriter(StorageWriter):
         self.direct_write = direct_write
         self.retry = retry or RetryPolicy()
         self.rank_timeout = meeting.check_rank_timeout(rank_timeout)
+        self.direct_io = check_direct_io(direct_io)
         self.store: Store | None = None
         # Made on first need and kept across saves: pinned memory is slow to allocate.
         self._host: HostBuffers | None = None
@@ -146,7 +152,7 @@ class HFStorageWriter(StorageWriter):
     # Pickled as its settings and path (DCP's process-based async save sends the writer to its
     # background process): the store, host buffers, locks and the saving thread are made anew
     # there, and a save's state never travels (DCP pickles a writer before its save starts).
-    _SETTINGS = ("storage_options", "fqn_to_index_mapping", "overwrite", "thread_count", "direct_write", "retry", "rank_timeout")
+    _SETTINGS = ("storage_options", "fqn_to_index_mapping", "overwrite", "thread_count", "direct_write", "retry", "rank_timeout", "direct_io")
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.checkpoint_id, "max_shard_size": self.max_shard_bytes, **{k: getattr(self, k) for k in self._SETTINGS}}
@@ -174,7 +180,9 @@ class HFStorageWriter(StorageWriter):
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = fsio.resolve(checkpoint_id, self.storage_options)
         if self.checkpoint_id is not None:
-            self.store = open_store(self.fs, self.root, direct_write=self.direct_write, retry=self.retry, threads=self.thread_count, where=str(self.checkpoint_id))
+            self.store = open_store(
+                self.fs, self.root, direct_write=self.direct_write, retry=self.retry, threads=self.thread_count, where=str(self.checkpoint_id), direct_io=self.direct_io
+            )
         self._layout: Layout | None = None
         # Compact plans: this rank's write items, kept here while DCP gathers only their
         # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.

@@ -154,8 +154,9 @@ def test_every_query_sees_what_another_process_wrote_after_this_one_listed(s3_en
 
 
 def test_a_long_lived_process_sees_what_another_wrote(s3_endpoint: str, bucket: str) -> None:
-    from hf_dcp_storage import CheckpointManager, HFStorageWriter, list_steps, prune_run
     import torch.distributed.checkpoint as dcp
+
+    from hf_dcp_storage import CheckpointManager, HFStorageWriter, list_steps, prune_run
 
     opts = _user_options(s3_endpoint)
     run = f"s3://{bucket}/run"

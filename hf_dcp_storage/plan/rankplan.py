@@ -69,6 +69,7 @@ class Written:
     staged_offset: int | None
     crc: int
     parts: tuple[dict[str, Any], ...] = ()  # S3: ETags of this rank's parts of the file (its last item)
+    direct: int = 0  # local disk: bytes written with O_DIRECT
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class WrittenRows:
     rows: Any  # np.ndarray int64
     crcs: Any  # np.ndarray uint32
     parts: Mapping[int, tuple[dict[str, Any], ...]] = dataclasses.field(default_factory=dict)  # S3: file -> ETags of this rank's parts
+    direct: int = 0  # local disk: bytes written with O_DIRECT
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,8 @@ def pack_results(all_items: list[WriteItem], local: LocalChunks, results: list[W
     rows = local.rows[[position[r.index] for r in results], 0] if results else np.empty(0, dtype=np.int64)
     crcs = np.array([r.storage_data.crc for r in results], dtype=np.uint32)
     parts = {r.storage_data.file: r.storage_data.parts for r in results if r.storage_data.parts}
-    return WriteResult(PACKED, sum(r.size_in_bytes for r in results), WrittenRows(rows, crcs, parts))
+    direct = sum(r.storage_data.direct for r in results)
+    return WriteResult(PACKED, sum(r.size_in_bytes for r in results), WrittenRows(rows, crcs, parts, direct))
 
 
 def combine_checksums(layout: Layout, results: list[list[WriteResult]], tables: tuple[list[Any], Any] | None) -> dict[str, int]:

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..io import fsio
+from ..io.direct import check_direct_io
 from ..io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
 from ..io.retry import RetryPolicy
 from ..reader import HFStorageReader
@@ -57,7 +58,8 @@ class CheckpointManager:
         keep_last_n: complete steps kept by retention (the newest is always kept).
         keep_every: also keep, forever, every complete step that is a multiple of this.
         storage_options: passed to fsspec.
-        max_shard_size, thread_count, retry: passed to ``HFStorageWriter`` / ``HFStorageReader``.
+        max_shard_size, thread_count, retry, direct_io: passed to ``HFStorageWriter`` /
+            ``HFStorageReader``.
         rank_timeout: passed to ``HFStorageWriter``: how long the ranks of an object-store save
             wait for a silent (dead or hung) rank before the save fails.
         overwrite: let ``save`` replace a complete step of the same number (else refused).
@@ -89,6 +91,7 @@ class CheckpointManager:
         reuse_staging: bool = False,
         rank_timeout: float = DEFAULT_RANK_TIMEOUT,
         async_mode: str = "thread",
+        direct_io: bool | None = None,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} must be 'thread' (a thread of this process) or 'process' (DCP's background process of each rank)")
@@ -96,7 +99,8 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.fs, self.root = fsio.resolve(root, storage_options)
         self.url = fsio.url_of(self.fs, self.root)
-        self._io = {"storage_options": storage_options, "thread_count": thread_count, "retry": retry}
+        # What writers and readers alike take.
+        self._io = {"storage_options": storage_options, "thread_count": thread_count, "retry": retry, "direct_io": check_direct_io(direct_io)}
         self.max_shard_size = max_shard_size
         self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
@@ -259,7 +263,7 @@ class CheckpointManager:
         elif step not in steps:
             raise FileNotFoundError(f"{self.url}: step {step} is not a complete checkpoint here; complete steps: {steps}")
         folder = fsio.join(self.root, step_name(step))
-        reader_io = {"storage_options": self.storage_options, "thread_count": self._io["thread_count"], "retry": self._io["retry"]}
+        reader_io = self._io
         dcp.load(model_state_dict, storage_reader=HFStorageReader(self._url(folder), **reader_io))
         if training_state is not None:
             marker = json.loads(fsio.read_all(self.fs, fsio.join(folder, COMMIT_MARKER)))

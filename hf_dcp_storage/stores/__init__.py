@@ -17,11 +17,13 @@ __all__ = ["open_store", "store_for_mode", "ranges_for"]
 _BY_MODE: dict[str, type[Store]] = {cls.mode: cls for cls in (LocalStore, StagedStore, S3Store)}
 
 
-def open_store(fs: AbstractFileSystem, root: str, *, direct_write: bool | None, retry: RetryPolicy, threads: int, where: str | None = None) -> Store:
+def open_store(
+    fs: AbstractFileSystem, root: str, *, direct_write: bool | None, retry: RetryPolicy, threads: int, where: str | None = None, direct_io: bool | None = None
+) -> Store:
     """The store a save to ``root`` writes through (the same answer on every rank): S3's
     multipart uploads on s3fs; positioned writes on local disk unless ``direct_write=False``;
     staged objects merged per file anywhere else. ``where``: the path as the user gave it, for
-    messages.
+    messages; ``direct_io``: the local store's use of ``O_DIRECT`` (``stores/local.py``).
 
     Raises:
         ValueError: ``direct_write=True`` where positioned writes are impossible.
@@ -32,12 +34,10 @@ def open_store(fs: AbstractFileSystem, root: str, *, direct_write: bool | None, 
             f"support; use direct_write=None (automatic) or False"
         )
     if fsio.is_s3(fs):
-        kind: type[Store] = S3Store
-    elif fsio.is_local(fs) and direct_write is not False:
-        kind = LocalStore
-    else:
-        kind = StagedStore
-    return kind(fs, root, retry=retry, threads=threads)
+        return S3Store(fs, root, retry=retry, threads=threads)
+    if fsio.is_local(fs) and direct_write is not False:
+        return LocalStore(fs, root, retry=retry, threads=threads, direct_io=direct_io)
+    return StagedStore(fs, root, retry=retry, threads=threads)
 
 
 def store_for_mode(mode: str, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int) -> Store:

@@ -83,6 +83,7 @@ class MergeStats:
     client_bytes: int = 0
     coordinator_bytes: int = 0
     by_rank: dict[int, int] = field(default_factory=dict)
+    direct_io_bytes: int = 0  # local disk: bytes the ranks wrote with O_DIRECT (the rest through the page cache)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -2,79 +2,102 @@
 writes, so nothing is left to consolidate.
 
 The coordinator creates every file at its final size with its header (``prepare``); each rank
-``pwrite``s its byte runs where they belong, starts their writeback slab by slab, and fsyncs
-before it reports; the coordinator's ``complete`` only makes the folder's entries durable.
+writes its byte runs where they belong and fsyncs before it reports; the coordinator's
+``complete`` only makes the folder's entries durable. Where the filesystem takes ``O_DIRECT``
+(``direct_io``), the aligned interior of each run goes to disk directly from an aligned buffer
+and only the edges through the page cache (``io/direct.py``): the save's time no longer depends
+on when writeback runs, and its bytes do not evict the page cache the training job uses.
+Otherwise each slab's writeback is started as soon as it is written.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import threading
 from collections.abc import Mapping
 
+from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.crc import CrcAccumulator
 from ..io import fsio
+from ..io.direct import AlignedBuffers, Descriptors, pwrite_run
 from ..io.parallel import parallel_map
+from ..io.retry import RetryPolicy
 from ..plan.layout import Layout
 from ..plan.rankplan import Finished, RankPlan, Written
 from .base import Slabs, Store, tensor_bytes
 
 __all__ = ["LocalStore"]
 
+logger = logging.getLogger(__name__)
+
 
 class LocalStore(Store):
     """Positioned writes into the final files (``direct`` saves). Also finishes an interrupted
-    direct save copied elsewhere, where ``complete`` has nothing to do but the index."""
+    direct save copied elsewhere, where ``complete`` has nothing to do but the index.
+
+    Args:
+        direct_io: ``None``: ``O_DIRECT`` where the filesystem takes it (tried once per save and
+            rank, at the first file), else buffered; ``True``: ``O_DIRECT`` or an error;
+            ``False``: buffered.
+    """
 
     mode = "direct"
     needs_placement = False
 
+    def __init__(self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int, direct_io: bool | None = None) -> None:
+        super().__init__(fs, root, retry=retry, threads=threads)
+        self.direct_io = direct_io
+
     def _make_files(self, layout: Layout) -> None:
         for f in layout.files:
             _create_with_header(fsio.join(self.root, f.name), f.header, f.size)
+        if self.direct_io and layout.files:
+            # direct_io=True where the filesystem refuses it: refused before any rank writes a byte.
+            probe = Descriptors(write=True, direct=True, required=True)
+            try:
+                probe.open(fsio.join(self.root, layout.files[0].name))
+            finally:
+                probe.close()
 
     def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
-        fds: dict[int, int] = {}
-        lock = threading.Lock()
-
-        def fd_for(file: int) -> int:
-            with lock:
-                if file not in fds:
-                    fds[file] = fsio.open_rw(fsio.join(self.root, rank_plan.files[file]), create=False)
-                return fds[file]
+        files = Descriptors(write=True, direct=self.direct_io is not False, required=self.direct_io is True)
+        buffers = AlignedBuffers()
 
         def write_item(item: WriteItem) -> WriteResult:
             place = rank_plan.placements[item.index]
-            fd = fd_for(place.file)
-            nbytes = 0
+            fd, direct_fd = files.open(fsio.join(self.root, rank_plan.files[place.file]))
+            nbytes = direct = 0
             crc = CrcAccumulator()
             for runs, data in slabs(item):
                 first = last = None
                 for tensor_off, chunk_off, n in runs:
                     run = data[chunk_off : chunk_off + n]
-                    fsio.pwrite_all(fd, run, place.tensor_start + tensor_off)
                     crc.update(tensor_off, run)  # while the run is still in cache
+                    if direct_fd is not None:
+                        direct += pwrite_run(direct_fd, fd, run, place.tensor_start + tensor_off, buffers)
+                        continue
+                    fsio.pwrite_all(fd, run, place.tensor_start + tensor_off)
                     first = tensor_off if first is None else first
                     last = tensor_off + n
                 if first is not None:
                     fsio.start_writeback(fd, place.tensor_start + first, last - first)
                 nbytes += len(data)
-            return WriteResult(item.index, nbytes, Written(place.file, None, crc.contribution(tensor_bytes(item))))
+            return WriteResult(item.index, nbytes, Written(place.file, None, crc.contribution(tensor_bytes(item)), direct=direct))
 
         try:
             results = parallel_map(write_item, items, self.threads)
-            # Durable before we report success: the coordinator commits on our word.
-            for fd in fds.values():
-                os.fsync(fd)
+            files.sync()  # durable before we report success: the coordinator commits on our word
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            files.close()
         return results
 
     def complete(self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, Finished]) -> None:
+        for plan in layout.files:
+            self.merge_stats.add(plan.size, 0, 0)
+        self.merge_stats.direct_io_bytes = sum(r.storage_data.direct for rs in results for r in rs)
         if fsio.is_local(self.fs):
             fsio.fsync_dir(self.root)
 

@@ -1,0 +1,145 @@
+"""Direct I/O on local disk: the same bytes as the buffered path, the pages a rank writes directly
+its own, and a clear fallback (or error) where the filesystem refuses ``O_DIRECT``.
+
+The refusing filesystem is a real one: ramfs, mounted for the test (it needs root; skipped with
+the reason where the mount is not allowed). tmpfs and ext4 here take ``O_DIRECT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _jobs import run_job
+from hf_dcp_storage import CheckpointManager, HFStorageReader, HFStorageWriter
+from hf_dcp_storage.io.direct import ALIGN, MIN_DIRECT, interior
+
+# Row counts and widths that put every rank boundary off a page (and some tensors under
+# MIN_DIRECT, written buffered whole).
+SHAPES = {"embed": ((1001, 515), torch.float32), "proj": ((700, 1100), torch.bfloat16), "norm": ((515,), torch.float32), "bias": ((3,), torch.int64)}
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {k: (torch.randn(s, generator=g) * 100).to(d) for k, (s, d) in SHAPES.items()}
+
+
+def _folder(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.integers(0, 1 << 24), st.integers(0, 1 << 23))
+def test_the_direct_part_of_a_run_is_whole_pages_inside_it(offset: int, n: int) -> None:
+    start, end = interior(offset, n)
+    if start == end:
+        # Nothing direct: only when the run holds fewer than MIN_DIRECT bytes of whole pages.
+        assert (offset + n) // ALIGN * ALIGN - -(-offset // ALIGN) * ALIGN < MIN_DIRECT
+        return
+    assert start % ALIGN == 0 and end % ALIGN == 0 and offset <= start < end <= offset + n
+    assert start - offset < ALIGN and offset + n - end < ALIGN  # every whole page of the run
+
+
+def _save(rank: int, world: int, base: str, layout: str) -> dict[str, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dim = {"rows": 0, "cols": 1}[layout]
+    sd = {k: distribute_tensor(t, mesh, [Shard(min(dim, t.dim() - 1))], src_data_rank=None) for k, t in _full().items()}
+    out = {}
+    for mode, flag in (("direct", True), ("buffered", False)):
+        writer = HFStorageWriter(f"{base}/{mode}", direct_io=flag, max_shard_size="2MB")
+        dcp.save(sd, storage_writer=writer)
+        out[mode] = writer.merge_stats.direct_io_bytes
+    dest = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(min(dim, t.dim() - 1))]) for k, t in _full().items()}
+    dcp.load(dest, storage_reader=HFStorageReader(f"{base}/direct", direct_io=True))
+    for k, t in sd.items():
+        assert torch.equal(dest[k].to_local(), t.to_local()), k
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_direct_and_buffered_saves_write_the_same_bytes_on_two_ranks(tmp_path, layout: str) -> None:
+    stats = run_job(_save, 2, str(tmp_path), layout, timeout=180).check_returned()[0]
+    assert _folder(tmp_path / "direct") == _folder(tmp_path / "buffered")
+    assert stats["buffered"] == 0
+    if layout == "rows":
+        # Row shards are long runs: most of their bytes went to disk directly.
+        assert stats["direct"] > 0.8 * sum(t.numel() * t.element_size() for t in _full().values()), stats
+    else:
+        assert stats["direct"] < stats["buffered"] + MIN_DIRECT  # column shards: short runs, through the cache
+
+
+def test_a_direct_load_reads_what_a_buffered_load_reads(tmp_path) -> None:
+    dcp.save(_full(), storage_writer=HFStorageWriter(str(tmp_path / "ck")), no_dist=True)
+    for flag in (True, False, None):
+        dest = {k: torch.zeros_like(t) for k, t in _full().items()}
+        dcp.load(dest, storage_reader=HFStorageReader(str(tmp_path / "ck"), direct_io=flag), no_dist=True)
+        assert all(torch.equal(dest[k], t) for k, t in _full().items()), flag
+
+
+@pytest.fixture
+def ramfs(tmp_path) -> Iterator[Path]:
+    """A ramfs mount (no O_DIRECT) under ``tmp_path``."""
+    where = tmp_path / f"ramfs-{uuid.uuid4().hex[:6]}"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here (needs root): {done.stderr.strip() or done.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_where_o_direct_is_refused_saves_fall_back_and_say_so(ramfs, tmp_path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="hf_dcp_storage"):
+        writer = HFStorageWriter(str(ramfs / "ck"))
+        dcp.save(_full(), storage_writer=writer, no_dist=True)
+    assert writer.merge_stats.direct_io_bytes == 0
+    assert any("refuses O_DIRECT: this save goes through the page cache" in r.getMessage() for r in caplog.records)
+    dcp.save(_full(), storage_writer=HFStorageWriter(str(tmp_path / "ref")), no_dist=True)
+    assert _folder(ramfs / "ck") == _folder(tmp_path / "ref")
+    dest = {k: torch.zeros_like(t) for k, t in _full().items()}
+    dcp.load(dest, storage_reader=HFStorageReader(str(ramfs / "ck")), no_dist=True)  # None: buffered
+    assert all(torch.equal(dest[k], t) for k, t in _full().items())
+
+
+def test_direct_io_true_where_refused_is_an_error_before_any_data_is_written(ramfs) -> None:
+    with pytest.raises(BaseException, match=r"direct_io=True, but the filesystem of .*ck/model-00001-of-00001.safetensors refuses O_DIRECT; pass direct_io=None"):
+        dcp.save(_full(), storage_writer=HFStorageWriter(str(ramfs / "ck"), direct_io=True), no_dist=True)
+    data = (ramfs / "ck" / "model-00001-of-00001.safetensors").read_bytes()
+    header = int.from_bytes(data[:8], "little") + 8
+    assert data[header:] == bytes(len(data) - header)  # the files exist, their data is all zeros
+    assert not (ramfs / "ck" / "model.safetensors.index.json").exists()
+    dcp.save(_full(), storage_writer=HFStorageWriter(str(ramfs / "ok")), no_dist=True)
+    with pytest.raises(BaseException, match=r"direct_io=True, but the filesystem of .* refuses O_DIRECT"):
+        dcp.load({k: torch.zeros_like(t) for k, t in _full().items()}, storage_reader=HFStorageReader(str(ramfs / "ok"), direct_io=True), no_dist=True)
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes"])
+def test_direct_io_is_validated(bad) -> None:
+    for make in (HFStorageWriter, HFStorageReader):
+        with pytest.raises(ValueError, match=r"direct_io=.* must be None \(O_DIRECT where the filesystem takes it\), True"):
+            make("/tmp/unused", direct_io=bad)
+
+
+def test_the_manager_passes_direct_io_on(ramfs) -> None:
+    with CheckpointManager(str(ramfs / "run"), direct_io=False) as manager:
+        manager.save(1, _full())
+    assert os.path.exists(ramfs / "run" / "step_1" / "COMMITTED")
+    with pytest.raises(BaseException, match=r"direct_io=True, but the filesystem of .* refuses O_DIRECT"), CheckpointManager(str(ramfs / "run"), direct_io=True) as manager:
+        manager.save(2, _full())
+    assert not os.path.exists(ramfs / "run" / "step_2" / "COMMITTED")
