@@ -30,9 +30,10 @@ is left once the future is done, and the bytes of its local shards (what the def
 copies: "staged").
 
 Backends: ``local`` (a folder under ``benchmarks/_data/``) always; ``--server moto`` adds S3 on a
-moto server in its own process (``bench_s3.py``'s, objects in ``/dev/shm``), with ``bench_s3.py``'s
-model (llama-7B-like widths, ``--s3-size-mb``, 256 by default: moto moves ~40 MB/s here, and with
-these widths most of each rank's rows fill multipart parts of their own). Each measurement's
+moto server in its own process (``_harness.py``'s, the one ``bench_s3.py`` uses; objects in
+``/dev/shm``), with ``bench_s3.py``'s model (llama-7B-like widths, ``--s3-size-mb``, 256 by
+default: moto moves ~40 MB/s here, and with these widths most of each rank's rows fill multipart
+parts of their own). Each measurement's
 output is deleted after it, except the last sync and async outputs of each backend: their
 indexes (weight map, sizes and every tensor's CRC32) must be equal, and ``verify_checkpoint``
 must find the async one sound (every tensor's bytes re-read against its CRC32).
@@ -45,18 +46,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime as _dt
 import gc
 import json
 import os
-import platform
-import shutil
-import statistics
 import sys
-import tempfile
 import threading
 import time
-import types
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -67,25 +62,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-# The model, data, rank setup and RSS sampling of the local-disk benchmark.
-from bench_save_load import (
-    CallWindow,
-    _dtensor_sd,
-    _fs_type,
-    _git_rev,
-    _init_dist,
-    _run_ranks,
-    _status_kib,
-    _version,
-    model_dims,
-    model_spec,
-    total_bytes,
+# bench_save_load's model on local disk, bench_s3's on S3 (moto), and the rank and RSS machinery.
+from _harness import (
+    MiB, Runner, Server, dtensor_state_dict, env_record, fmt, gather_results, init_dist, interleave, make_work_dir, max_over, median,
+    model_dims, model_spec, remove_work_dir, run_ranks, seal_aws_env, select, start_server, status_kib, storage_options, timed_call,
+    total_bytes, wide_model_dims, write_report,
 )
 
-DEFAULT_DATA_ROOT = HERE / "_data"  # git-ignored, same disk as the checkout
 MODES = {"s": "sync", "a": "async", "t": "async_train"}
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 # ------------------------------------------------------------------------------------------------
@@ -140,7 +124,7 @@ def _warmup(mode: str, mesh, rank: int, world: int, url: str, cfg: dict, group) 
     are not timed."""
     import torch.distributed.checkpoint as dcp
 
-    sd = _dtensor_sd([("w", (4 * world, 8))], mesh, rank, world, fill="data")
+    sd = dtensor_state_dict([("w", (4 * world, 8))], mesh, rank, world, fill="data")
     if mode == "sync":
         dcp.save(sd, storage_writer=_writer(url, cfg))
     else:
@@ -158,7 +142,7 @@ def _timed_save(mode: str, sd, url: str, cfg: dict, group, trainer: Trainer | No
         return {"blocked_s": t, "total_s": t}
     fut = dcp.async_save(sd, storage_writer=_writer(url, cfg), process_group=group)
     blocked = time.perf_counter() - t0
-    at_return = _status_kib()
+    at_return = status_kib()
     done_at: list[float] = []
     called = threading.Event()
 
@@ -194,9 +178,9 @@ def _left_after(base_kib: dict[str, int]) -> dict[str, float]:
     handed free heap back. Freed small blocks stay resident until the trim; a staged copy that
     something still held would survive it."""
     gc.collect()
-    after = _status_kib()
+    after = status_kib()
     _malloc_trim()
-    trimmed = _status_kib()
+    trimmed = status_kib()
     return {
         "left_after_mib": (after["VmRSS"] - base_kib["VmRSS"]) / 1024,
         "left_after_trim_mib": (trimmed["VmRSS"] - base_kib["VmRSS"]) / 1024,
@@ -207,36 +191,25 @@ def rank_main(rank: int, world: int, job: dict) -> None:
     """One rank of one measurement (spawned fresh); rank 0 writes every rank's record."""
     cfg, mode = job["cfg"], job["mode"]
     torch.set_num_threads(cfg["torch_threads"])
-    dist, mesh = _init_dist(rank, world, job["rdzv"])
+    dist, mesh = init_dist(rank, world, job["rdzv"])
     # Every rank creates the group (a collective call), also for sync, so all modes start alike.
     group = dist.new_group(backend="gloo")
     if cfg["warmup"]:
         _warmup(mode, mesh, rank, world, job["scratch"], cfg, group)
-    sd = _dtensor_sd([(k, tuple(s)) for k, s in job["spec"]], mesh, rank, world, fill="data")
+    sd = dtensor_state_dict([(k, tuple(s)) for k, s in job["spec"]], mesh, rank, world, fill="data")
     staged = sum(v.to_local().numel() * v.to_local().element_size() for v in sd.values())
     trainer = Trainer(cfg["train_n"]) if mode == "async_train" else None
     alone = None
     if trainer is not None:
         dist.barrier()
         alone = trainer.run_for(cfg["baseline_s"])  # both ranks at once, as during the save
-    gc.collect()
-    gc.disable()  # no collector pauses inside the timed region
-    dist.barrier()
-    win = CallWindow()
-    win.start()
-    dist.barrier()
-    res = _timed_save(mode, sd, job["out"], cfg, group, trainer)
-    mem = win.stop()
-    gc.enable()
+    # The call measures its own times (blocked, total); the window ends when the future is done.
+    timed = timed_call(dist, lambda: _timed_save(mode, sd, job["out"], cfg, group, trainer), trailing_barrier=False)
+    res, mem = timed.result, timed.mem
     rec = {"rank": rank, **mem, "staged_mib": staged / MiB, "train_alone_per_s": alone, **res, **_left_after(mem["base_kib"])}
     if "at_return_kib" in rec:
         rec["at_return_mib"] = (rec.pop("at_return_kib")["VmRSS"] - mem["base_kib"]["VmRSS"]) / 1024
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, rec)
-    if rank == 0:
-        with open(job["result"], "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    gather_results(dist, rank, world, rec, job["result"])
     dist.destroy_process_group(group)
     dist.destroy_process_group()
 
@@ -244,12 +217,6 @@ def rank_main(rank: int, world: int, job: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 # Orchestrator
 # ------------------------------------------------------------------------------------------------
-
-
-def _spawn(job: dict, world: int) -> list[dict]:
-    """Run ``rank_main`` on ``world`` fresh processes, sampling their RSS; the per-rank records.
-    The peak is taken inside [call start, call end]; the call ends after the future is done."""
-    return _run_ranks(job, world, rank_main)
 
 
 class Backend:
@@ -273,11 +240,7 @@ class Backend:
 def _summarize_rec(per_rank: list[dict]) -> dict:
     """One measurement's figures from its ranks: times are maxima, memory maxima, rates sums."""
 
-    def mx(key: str) -> float | None:
-        vals = [r[key] for r in per_rank if r.get(key) is not None]
-        return max(vals) if vals else None
-
-    out = {k: mx(k) for k in ("blocked_s", "total_s", "staged_mib", "at_return_mib", "rss_extra_mib", "anon_extra_mib", "left_after_mib", "left_after_trim_mib")}
+    out = {k: max_over(per_rank, k) for k in ("blocked_s", "total_s", "staged_mib", "at_return_mib", "rss_extra_mib", "anon_extra_mib", "left_after_mib", "left_after_trim_mib")}
     if all(r.get("train_steps") is not None for r in per_rank):
         out["train_alone_per_s"] = sum(r["train_alone_per_s"] for r in per_rank)
         out["train_during_per_s"] = sum(r["train_steps"] / r["train_s"] for r in per_rank if r["train_s"] > 0)
@@ -285,32 +248,22 @@ def _summarize_rec(per_rank: list[dict]) -> dict:
     return out
 
 
-def measure(backend: Backend, mode: str, rep: int, work: Path, cfg: dict, world: int, seq: list[int]) -> dict:
-    """One measurement in fresh processes; its record (``ok``: False with the error on failure)."""
-    seq[0] += 1
-    tag = f"{seq[0]:03d}_{backend.kind}_{mode}"
-    job = {
-        "mode": mode,
-        "cfg": {**cfg, "opts": backend.opts},
-        "spec": backend.spec,
-        "rdzv": str(work / f"rdzv_{tag}"),
-        "result": str(work / f"result_{tag}.json"),
-        "out": backend.url(f"{mode}_r{rep}"),
-        "scratch": backend.url(f"warmup_{tag}"),
-    }
+def measure(runner: Runner, backend: Backend, mode: str, rep: int, cfg: dict, world: int) -> dict:
+    """One measurement in fresh processes; its record (``ok``: False with the error on failure).
+    The peak RSS is taken inside [call start, call end]; the call ends after the future is done."""
+    job = runner.job(f"{backend.kind}_{mode}", mode=mode, cfg={**cfg, "opts": backend.opts}, spec=backend.spec, out=backend.url(f"{mode}_r{rep}"))
+    job["scratch"] = backend.url(f"warmup_{job['tag']}")
     rec: dict[str, Any] = {"phase": "save", "backend": backend.kind, "mode": mode, "repeat": rep, "size_bytes": backend.size, "out": job["out"]}
     t0 = time.time()
     try:
         if backend.kind == "local":
             os.sync()  # the previous measurement's dirty pages are not this one's
-        per_rank = _spawn(job, world)
+        per_rank = run_ranks(rank_main, job, world, sample_ms=cfg["sample_ms"])
         rec.update(ok=True, **_summarize_rec(per_rank), per_rank=per_rank)
     except Exception as exc:  # noqa: BLE001 - a failing measurement is reported; the others still run
         rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
     finally:
-        for p in (job["rdzv"], job["result"]):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(p)
+        runner.discard(job)
         backend.remove(job["scratch"])
     rec["process_s"] = round(time.time() - t0, 2)
     return rec
@@ -330,15 +283,6 @@ def verify_pair(backend: Backend, sync_url: str, async_url: str) -> dict:
             "tensors": report.tensors_checked, "bytes": report.bytes_checked, "problems": [str(p) for p in report.problems][:5]}
 
 
-def _median(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _f(x: float | None, fmt: str = ".2f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def summarize(records: list[dict]) -> str:
     """The markdown table: medians over repeats per backend and mode."""
     saves = [r for r in records if r.get("phase") == "save" and r.get("ok")]
@@ -353,21 +297,21 @@ def summarize(records: list[dict]) -> str:
     for kind in dict.fromkeys(r["backend"] for r in saves):
         rows = [r for r in saves if r["backend"] == kind]
         size = rows[0]["size_bytes"]
-        sync_total = _median([r["total_s"] for r in rows if r["mode"] == "sync"])
+        sync_total = median([r["total_s"] for r in rows if r["mode"] == "sync"])
         for mode in MODES.values():
             rs = [r for r in rows if r["mode"] == mode]
             if not rs:
                 continue
-            med = {k: _median([r.get(k) for r in rs]) for k in ("blocked_s", "total_s", "staged_mib", "at_return_mib", "left_after_mib", "left_after_trim_mib", "train_alone_per_s", "train_during_per_s")}
+            med = {k: median([r.get(k) for r in rs]) for k in ("blocked_s", "total_s", "staged_mib", "at_return_mib", "left_after_mib", "left_after_trim_mib", "train_alone_per_s", "train_during_per_s")}
             peak = max(r["rss_extra_mib"] for r in rs)
             kept = med["train_during_per_s"] / med["train_alone_per_s"] if med["train_alone_per_s"] else None
             runs = ", ".join(f"{r['total_s']:.2f}" for r in sorted(rs, key=lambda r: r["repeat"]))
             lines.append(
-                f"| {kind} | {size / MiB:.0f} | {mode} | {_f(med['blocked_s'])} | {_f(med['total_s'])} | {runs} | "
-                f"{_f(med['total_s'] / sync_total if sync_total else None)} | {_f(size / med['total_s'] / 1e9)} | "
-                f"{_f(med['staged_mib'], '.0f')} | {_f(med['at_return_mib'], '.0f') if mode != 'sync' else '-'} | {peak:.0f} | "
-                f"{_f(med['left_after_mib'], '.0f')} ({_f(med['left_after_trim_mib'], '.0f')}) | {_f(med['train_alone_per_s'], '.1f')} | "
-                f"{_f(med['train_during_per_s'], '.1f')} | {_f(kept * 100 if kept else None, '.0f')}{'%' if kept else ''} |"
+                f"| {kind} | {size / MiB:.0f} | {mode} | {fmt(med['blocked_s'])} | {fmt(med['total_s'])} | {runs} | "
+                f"{fmt(med['total_s'] / sync_total if sync_total else None)} | {fmt(size / med['total_s'] / 1e9)} | "
+                f"{fmt(med['staged_mib'], '.0f')} | {fmt(med['at_return_mib'], '.0f') if mode != 'sync' else '-'} | {peak:.0f} | "
+                f"{fmt(med['left_after_mib'], '.0f')} ({fmt(med['left_after_trim_mib'], '.0f')}) | {fmt(med['train_alone_per_s'], '.1f')} | "
+                f"{fmt(med['train_during_per_s'], '.1f')} | {fmt(kept * 100 if kept else None, '.0f')}{'%' if kept else ''} |"
             )
     for v in (r for r in records if r.get("phase") == "verify"):
         lines.append("")
@@ -399,42 +343,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _modes(only: str | None) -> list[str]:
-    if not only:
-        return list(MODES.values())
-    names = [MODES.get(t.strip(), t.strip()) for t in only.split(",")]
-    bad = [n for n in names if n not in MODES.values()]
-    if bad:
-        raise SystemExit(f"--only: unknown mode(s) {bad}; choose from {MODES}")
-    return [n for n in MODES.values() if n in names]
-
-
-def _start_s3(work: Path, size_mb: float) -> tuple[Backend, dict, Callable[[], None]]:
+def _start_s3(work: Path, size_mb: float) -> tuple[Backend, Server]:
     """bench_s3's moto server (own process), a fresh bucket and bench_s3's model (llama-7B-like
-    widths: each rank's rows of most tensors fill parts of their own); (backend, facts, stop)."""
+    widths: each rank's rows of most tensors fill parts of their own); (backend, server)."""
     import s3fs
-    from bench_s3 import FAKE_AWS_ENV, UNSET_AWS_ENV, start_server, storage_options
-    from bench_s3 import model_dims as s3_model_dims
 
-    for k, v in FAKE_AWS_ENV.items():
-        os.environ[k] = v  # inherited by the spawned ranks
-    for k in UNSET_AWS_ENV:
-        os.environ.pop(k, None)
-    dims = s3_model_dims(size_mb)
+    seal_aws_env()  # inherited by the spawned ranks
+    dims = wide_model_dims(size_mb)
     spec = model_spec(dims)
-    srv, facts, stop = start_server(types.SimpleNamespace(server="moto", moto_tmp=None), total_bytes(spec), work)
-    opts = storage_options(srv["endpoint"], None)
+    server = start_server("moto", size=total_bytes(spec), work=work)
+    opts = storage_options(server.endpoint)
     bucket = "bench-async-" + uuid.uuid4().hex[:12]
     s3fs.S3FileSystem(**opts).mkdir(bucket)
-    return Backend("s3-moto", f"s3://{bucket}", opts, spec, dims), {"moto": facts.get("moto"), "endpoint": srv["endpoint"]}, stop
+    return Backend("s3-moto", f"s3://{bucket}", opts, spec, dims), server
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.time()
-    modes = _modes(args.only)
-    DEFAULT_DATA_ROOT.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_async_", dir=DEFAULT_DATA_ROOT))
+    modes = select(args.only, MODES, "mode")
+    work = make_work_dir("bench_async_")
     d = model_dims(args.size_gb)
     backends = [Backend("local", str(work / "ckpt"), None, model_spec(d), d)]
     cpu = os.cpu_count() or 1
@@ -444,31 +372,23 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_s": args.baseline_s,
     }
     env: dict[str, Any] = {
-        "phase": "env", "date": _dt.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
-        "torch": torch.__version__, "safetensors": _version("safetensors"), "hf_dcp_storage": _version("hf_dcp_storage"),
-        "s3fs": _version("s3fs"), "git": _git_rev(), "cpus": cpu,
-        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
-        "work_dir": str(work), "fs": _fs_type(work), "args": vars(args), "cfg": cfg, "argv": sys.argv[1:],
+        **env_record(("safetensors", "hf_dcp_storage", "s3fs"), work=work), "args": vars(args), "cfg": cfg, "argv": sys.argv[1:],
     }
-    stop_s3: Callable[[], None] = lambda: None
-    records: list[dict] = []
-
-    def emit(rec: dict) -> None:
-        print(json.dumps(rec), flush=True)
-        records.append(rec)
-
+    server: Server | None = None
+    runner = Runner(work, jsonl=None)  # the JSON lines go to stdout and into --md-out
+    records = runner.records
     try:
         if args.server == "moto":
-            s3_backend, env["s3"], stop_s3 = _start_s3(work, args.s3_size_mb)
+            s3_backend, server = _start_s3(work, args.s3_size_mb)
+            env["s3"] = {"moto": server.facts.get("moto"), "endpoint": server.endpoint}
             backends.append(s3_backend)
         env["models"] = {b.kind: {**b.dims.__dict__, "tensors": len(b.spec), "size_bytes": b.size} for b in backends}
-        emit(env)
-        _run(backends, modes, args, work, cfg, emit)
+        runner.emit(env)
+        _run(runner, backends, modes, args, cfg)
     finally:
-        stop_s3()
-        shutil.rmtree(work, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            DEFAULT_DATA_ROOT.rmdir()  # only if empty
+        if server is not None:
+            server.stop()
+        remove_work_dir(work)
     elapsed = time.time() - t_start
     table = summarize(records)
     print()
@@ -480,24 +400,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if verified and all(r.get("ok", True) for r in records) else 1
 
 
-def _run(backends: list[Backend], modes: list[str], args: argparse.Namespace, work: Path, cfg: dict, emit: Callable[[dict], None]) -> None:
+def _run(runner: Runner, backends: list[Backend], modes: list[str], args: argparse.Namespace, cfg: dict) -> None:
     """Every backend, every repeat, every mode (forward on even repeats, backward on odd ones)."""
-    seq = [0]
     for backend in backends:
         kept: dict[str, str] = {}
-        for rep in range(args.repeats):
-            for mode in modes if rep % 2 == 0 else modes[::-1]:
-                rec = measure(backend, mode, rep, work, cfg, args.ranks, seq)
-                emit(rec)
-                keep_as = "sync" if mode == "sync" else "async"
-                if rec.get("ok"):
-                    if keep_as in kept:
-                        backend.remove(kept[keep_as])
-                    kept[keep_as] = rec["out"]
-                else:
-                    backend.remove(rec["out"])
+        for rep, mode in interleave(modes, args.repeats):
+            rec = measure(runner, backend, mode, rep, cfg, args.ranks)
+            runner.emit(rec)
+            keep_as = "sync" if mode == "sync" else "async"
+            if rec.get("ok"):
+                if keep_as in kept:
+                    backend.remove(kept[keep_as])
+                kept[keep_as] = rec["out"]
+            else:
+                backend.remove(rec["out"])
         if "sync" in kept and "async" in kept:
-            emit(verify_pair(backend, kept["sync"], kept["async"]))
+            runner.emit(verify_pair(backend, kept["sync"], kept["async"]))
         for url in kept.values():
             backend.remove(url)
 
@@ -526,9 +444,7 @@ def _write_md(path: str, env: dict, table: str, records: list[dict], elapsed: fl
         f"- command: `python benchmarks/bench_async.py {' '.join(env['argv'])}`; full run {elapsed / 60:.1f} min",
         "",
     ]
-    raw = "".join(json.dumps(r) + "\n" for r in records)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("\n".join(head) + "\n" + table + "\n\n## Raw JSON lines\n\n```json\n" + raw + "```\n")
+    write_report(path, "\n".join(head) + "\n" + table, "".join(json.dumps(r) + "\n" for r in records))
 
 
 if __name__ == "__main__":

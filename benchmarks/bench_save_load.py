@@ -33,29 +33,24 @@ Run ``python benchmarks/bench_save_load.py --help`` for the flags.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as _dt
 import gc
 import json
-import math
 import os
-import platform
-import resource
 import shutil
-import statistics
 import sys
-import tempfile
-import threading
 import time
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_DATA_ROOT = HERE / "_data"  # git-ignored, same disk as the checkout
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from _harness import (
+    DATA_ROOT, GiB, MiB, CallWindow, Runner, dtensor_state_dict, env_record, gather_results, init_dist, interleave, make_shard, make_work_dir,
+    max_over, median, model_dims, model_spec, paired_ratios, remove_work_dir, run_ranks, run_single, same_bits, select, timed_call, total_bytes,
+    write_report,
+)
 
 SAVE = {"a": "ours", "b": "pt_hf", "c": "pt_fs", "d": "plain"}
 LOAD = {"e": "ours_load", "f": "pt_hf_load", "g": "st_load_file", "h": "st_load_file_pread"}
@@ -63,213 +58,11 @@ SINGLE = ("st_load_file", "st_load_file_pread")
 ALL = {**SAVE, **LOAD}
 SAVE_FLOOR = "plain"
 LOAD_REF = "st_load_file"  # the reference the load target is stated against
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-# ------------------------------------------------------------------------------------------------
-# Synthetic model
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Dims:
-    vocab: int
-    hidden: int
-    inter: int
-    kv: int  # GQA: k/v projection output features
-    layers: int
-
-
-# (vocab, hidden, intermediate, kv) presets, largest first; TinyLlama-like at the top.
-_PRESETS = [(32000, 2048, 5632, 256), (16000, 1024, 2816, 256), (8000, 512, 1408, 128), (2048, 256, 704, 64)]
-
-
-def model_dims(size_gb: float) -> Dims:
-    """Pick a preset whose embeddings are small next to the target, then the layer count."""
-    target = size_gb * GiB
-    for v, h, i, kv in _PRESETS:
-        fixed = (2 * v * h + h) * 2
-        per_layer = (2 * h * h + 2 * kv * h + 3 * h * i + 2 * h) * 2
-        if fixed <= target / 4 or (v, h, i, kv) == _PRESETS[-1]:
-            layers = max(1, round((target - fixed) / per_layer))
-            return Dims(v, h, i, kv, layers)
-    raise AssertionError
-
-
-def model_spec(d: Dims) -> list[tuple[str, tuple[int, ...]]]:
-    """(key, global shape) in state-dict order, with Hugging Face llama key names."""
-    spec: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (d.vocab, d.hidden))]
-    for i in range(d.layers):
-        p = f"model.layers.{i}."
-        spec += [
-            (p + "input_layernorm.weight", (d.hidden,)),
-            (p + "self_attn.q_proj.weight", (d.hidden, d.hidden)),
-            (p + "self_attn.k_proj.weight", (d.kv, d.hidden)),
-            (p + "self_attn.v_proj.weight", (d.kv, d.hidden)),
-            (p + "self_attn.o_proj.weight", (d.hidden, d.hidden)),
-            (p + "post_attention_layernorm.weight", (d.hidden,)),
-            (p + "mlp.gate_proj.weight", (d.inter, d.hidden)),
-            (p + "mlp.up_proj.weight", (d.inter, d.hidden)),
-            (p + "mlp.down_proj.weight", (d.hidden, d.inter)),
-        ]
-    spec += [("model.norm.weight", (d.hidden,)), ("lm_head.weight", (d.vocab, d.hidden))]
-    return spec
-
-
-def total_bytes(spec) -> int:
-    return sum(math.prod(s) * 2 for _, s in spec)
-
-
-def local_shape(shape: tuple[int, ...], rank: int, world: int) -> tuple[int, int]:
-    """(row offset, rows) of ``rank``'s Shard(0) chunk, as DTensor (torch.chunk) splits dim 0."""
-    step = -(-shape[0] // world)
-    start = min(rank * step, shape[0])
-    return start, min(shape[0], start + step) - start
-
-
-def make_shard(key: str, shape: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
-    """Deterministic random bf16 bits for ``rank``'s Shard(0) chunk of ``key`` (any bit pattern)."""
-    _, rows = local_shape(shape, rank, world)
-    lshape = (rows, *shape[1:])
-    n = math.prod(lshape)
-    g = torch.Generator().manual_seed(zlib.crc32(f"{key}|{rank}|{world}".encode()))
-    if n % 4 == 0:  # int64 generation is ~2x faster than int16
-        bits = torch.empty(n // 4, dtype=torch.int64)
-        bits.random_(generator=g)
-        return bits.view(torch.bfloat16).view(lshape)
-    bits16 = torch.empty(n, dtype=torch.int16)
-    bits16.random_(-(1 << 15), 1 << 15, generator=g)
-    return bits16.view(torch.bfloat16).view(lshape)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality (the data holds NaN patterns, so no float ==)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
-
-
-# ------------------------------------------------------------------------------------------------
-# Memory sampling
-# ------------------------------------------------------------------------------------------------
-
-
-def _status_kib(pid: int | str = "self") -> dict[str, int] | None:
-    """VmRSS, RssAnon, RssFile (KiB) of a process; None once it is gone."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith((b"VmRSS:", b"RssAnon:", b"RssFile:")):
-                    k, v = line.split(b":", 1)
-                    out[k.decode()] = int(v.split()[0])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return out if len(out) == 3 else None
-
-
-class CallWindow:
-    """In the measured process: baseline memory and wall-clock bounds of the timed call.
-
-    The 5 ms sampling itself runs in the parent (``ProcSampler``), so no extra thread competes
-    for this process's GIL or CPU; the parent keeps the samples that fall inside [ts0, ts1].
-    """
-
-    def start(self) -> None:
-        self.base = _status_kib()
-        self.ru0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        self.ts0 = time.time()
-
-    def stop(self) -> dict:
-        self.ts1 = time.time()
-        end = _status_kib()
-        ru1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return {
-            "pid": os.getpid(),
-            "ts0": self.ts0,
-            "ts1": self.ts1,
-            "base_kib": self.base,
-            "end_kib": end,
-            "rss_base_mib": self.base["VmRSS"] / 1024,
-            # ru_maxrss is the process's lifetime peak: its growth during the call is a lower bound
-            # of the call's extra peak (exact when nothing before the call went higher).
-            "maxrss_delta_mib": (ru1 - self.ru0) / 1024,
-        }
-
-
-class ProcSampler:
-    """Parent-side thread sampling /proc/<pid>/status of child processes every ``period`` s."""
-
-    def __init__(self, period: float) -> None:
-        self.period = period
-        self.pids: list[int] = []
-        self.samples: dict[int, list[tuple[float, dict[str, int]]]] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def start(self, pids: list[int]) -> "ProcSampler":
-        self.pids = list(pids)
-        self.samples = {p: [] for p in self.pids}
-        if self.period > 0:
-            self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            for p in self.pids:
-                st = _status_kib(p)
-                if st is not None:
-                    self.samples[p].append((time.time(), st))
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._t.is_alive():
-            self._t.join()
-
-    def peak_extra(self, rec: dict) -> dict:
-        """Extra peak (MiB) above the baseline inside the rank's call window."""
-        base, end = rec["base_kib"], rec["end_kib"]
-        window = [st for t, st in self.samples.get(rec["pid"], []) if rec["ts0"] <= t <= rec["ts1"]]
-        window.append(end)
-        out = {}
-        for key, name in (("VmRSS", "rss"), ("RssAnon", "anon"), ("RssFile", "file")):
-            out[f"{name}_extra_mib"] = max(0, max(st[key] for st in window) - base[key]) / 1024
-        out["rss_samples"] = len(window) - 1
-        return out
 
 
 # ------------------------------------------------------------------------------------------------
 # Rank-side work (fresh processes)
 # ------------------------------------------------------------------------------------------------
-
-
-def _init_dist(rank: int, world: int, rdzv: str):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
-    return dist, init_device_mesh("cpu", (world,))
-
-
-def _dtensor_sd(spec, mesh, rank, world, *, fill: str):
-    from torch.distributed.tensor import DTensor, Shard
-
-    sd = {}
-    for key, shape in spec:
-        if fill == "data":
-            local = make_shard(key, shape, rank, world)
-        else:  # destination for a load: allocated and touched, so it is in the RSS baseline
-            _, rows = local_shape(shape, rank, world)
-            local = torch.zeros((rows, *shape[1:]), dtype=torch.bfloat16)
-        sd[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=_stride(shape))
-    return sd
-
-
-def _stride(shape):
-    st, acc = [], 1
-    for s in reversed(shape):
-        st.append(acc)
-        acc *= s
-    return tuple(reversed(st))
 
 
 def _plain_write(sd, path: str) -> None:
@@ -327,21 +120,21 @@ def _warmup(name: str, mesh, rank: int, world: int, scratch: str, cfg: dict) -> 
     """A tiny save/load through the same code path, so one-time imports/lazy init are not timed."""
     spec = [("w", (4 * world, 8))]
     if name in SAVE.values():
-        sd = _dtensor_sd(spec, mesh, rank, world, fill="data")
+        sd = dtensor_state_dict(spec, mesh, rank, world, fill="data")
         _save_call(name, sd, scratch, rank, cfg)()
     else:
         # Load the tiny checkpoint written by our writer (both readers read it).
         from hf_dcp_storage import HFStorageWriter
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(_dtensor_sd(spec, mesh, rank, world, fill="data"), storage_writer=HFStorageWriter(scratch))
-        _load_call(name, _dtensor_sd(spec, mesh, rank, world, fill="zeros"), scratch, cfg)()
+        dcp.save(dtensor_state_dict(spec, mesh, rank, world, fill="data"), storage_writer=HFStorageWriter(scratch))
+        _load_call(name, dtensor_state_dict(spec, mesh, rank, world, fill="zeros"), scratch, cfg)()
 
 
 def rank_main(rank: int, world: int, job: dict) -> None:
     """One rank of one measurement (spawned fresh)."""
     torch.set_num_threads(job["cfg"]["torch_threads"])
-    dist, mesh = _init_dist(rank, world, job["rdzv"])
+    dist, mesh = init_dist(rank, world, job["rdzv"])
     name, cfg = job["name"], job["cfg"]
     spec = [(k, tuple(s)) for k, s in job["spec"]]
     is_save = name in SAVE.values()
@@ -352,21 +145,9 @@ def rank_main(rank: int, world: int, job: dict) -> None:
         if rank == 0:
             shutil.rmtree(job["scratch"], ignore_errors=True)
 
-    sd = _dtensor_sd(spec, mesh, rank, world, fill="data" if is_save else "zeros")
+    sd = dtensor_state_dict(spec, mesh, rank, world, fill="data" if is_save else "zeros")
     call = _save_call(name, sd, job["out"], rank, cfg) if is_save else _load_call(name, sd, job["src"], cfg)
-    gc.collect()
-    gc.disable()  # no collector pauses inside the timed region
-    dist.barrier()
-    win = CallWindow()
-    win.start()
-    dist.barrier()
-    t0 = time.perf_counter()
-    call()
-    t_call = time.perf_counter() - t0
-    dist.barrier()
-    t_wall = time.perf_counter() - t0
-    mem = win.stop()
-    gc.enable()
+    timed = timed_call(dist, call)
 
     extra = {}
     if is_save:
@@ -383,13 +164,8 @@ def rank_main(rank: int, world: int, job: dict) -> None:
         extra["verify_n_bad"] = len(bad)
         extra["verify_s"] = time.perf_counter() - t1
 
-    per_rank = {"rank": rank, "call_s": t_call, "wall_s": t_wall, **mem, **extra}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, per_rank)
-    if rank == 0:
-        with open(job["result"], "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    per_rank = {"rank": rank, "call_s": timed.call_s, "wall_s": timed.wall_s, **timed.mem, **extra}
+    gather_results(dist, rank, world, per_rank, job["result"])
     dist.destroy_process_group()
 
 
@@ -524,76 +300,17 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, n)) for r, _, fs in os.walk(path) for n in fs)
 
 
-def _finish(per_rank: list[dict], sampler: ProcSampler) -> list[dict]:
-    for rec in per_rank:
-        if "pid" in rec:
-            rec.update(sampler.peak_extra(rec))
-            for k in ("base_kib", "end_kib", "ts0", "ts1", "pid"):
-                rec.pop(k, None)
-    return per_rank
+class SaveLoadRunner(Runner):
+    """The harness's ``Runner`` with this benchmark's measurements: one record per contender run."""
 
-
-def _run_ranks(job: dict, world: int, main: Callable[[int, int, dict], None] | None = None) -> list[dict]:
-    """Run ``main(rank, world, job)`` (default ``rank_main``) on ``world`` fresh processes,
-    sampling their RSS; the per-rank records it wrote to ``job["result"]``."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(main or rank_main, args=(world, job), nprocs=world, join=False, start_method="spawn")
-    sampler = ProcSampler(job["cfg"]["sample_ms"] / 1000).start([p.pid for p in ctx.processes])
-    try:
-        while not ctx.join():
-            pass
-    finally:
-        sampler.stop()
-    with open(job["result"]) as f:
-        return _finish(json.load(f), sampler)
-
-
-def _run_single(fn, job: dict, sample: bool = True) -> list[dict]:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    p = ctx.Process(target=fn, args=(job,))
-    p.start()
-    sampler = ProcSampler(job["cfg"]["sample_ms"] / 1000 if sample else 0).start([p.pid])
-    try:
-        p.join()
-    finally:
-        sampler.stop()
-    if p.exitcode != 0:
-        raise RuntimeError(f"{fn.__name__} exited with {p.exitcode}")
-    with open(job["result"]) as f:
-        return _finish(json.load(f), sampler)
-
-
-class Runner:
     def __init__(self, args, work: Path, spec, cfg) -> None:
-        self.args, self.work, self.spec, self.cfg = args, work, spec, cfg
-        self.records: list[dict] = []
-        self.seq = 0
-        self.jsonl = open(work / "results.jsonl", "a")
-
-    def emit(self, rec: dict) -> None:
-        line = json.dumps(rec, sort_keys=False)
-        print(line, flush=True)
-        self.jsonl.write(line + "\n")
-        self.jsonl.flush()
-        self.records.append(rec)
+        super().__init__(work)
+        self.args, self.spec, self.cfg = args, spec, cfg
 
     def _job(self, name: str, **kw) -> dict:
-        self.seq += 1
-        tag = f"{self.seq:03d}_{name}"
-        return {
-            "name": name,
-            "cfg": self.cfg,
-            "spec": self.spec,
-            "world": self.args.ranks,
-            "rdzv": str(self.work / f"rdzv_{tag}"),
-            "result": str(self.work / f"result_{tag}.json"),
-            "scratch": str(self.work / f"warmup_{tag}"),
-            "verify": kw.pop("verify", False),
-            **kw,
-        }
+        job = self.job(name, cfg=self.cfg, spec=self.spec, world=self.args.ranks, verify=kw.pop("verify", False), **kw)
+        job["scratch"] = str(self.work / f"warmup_{job['tag']}")
+        return job
 
     def measure(self, name: str, *, repeat: int, phase: str, cache: str | None, **kw) -> dict:
         job = self._job(name, **kw)
@@ -602,30 +319,22 @@ class Runner:
         t0 = time.time()
         try:
             if name in SINGLE:
-                per_rank = _run_single(single_main, job)
+                per_rank = run_single(single_main, job, sample_ms=self.cfg["sample_ms"])
             else:
-                per_rank = _run_ranks(job, self.args.ranks)
+                per_rank = run_ranks(rank_main, job, self.args.ranks, sample_ms=self.cfg["sample_ms"])
         except Exception as exc:  # a failing contender is reported, the rest still run
             rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             self.emit(rec)
             return rec
         finally:
-            for p in (job["rdzv"], job["result"]):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(p)
+            self.discard(job)
             shutil.rmtree(job["scratch"], ignore_errors=True)
-        def mx(k):
-            vals = [r[k] for r in per_rank if r.get(k) is not None]
-            return max(vals) if vals else None
         rec.update(
             ok=True,
-            time_s=mx("wall_s"),
-            call_s=mx("call_s"),
-            gbps=self.cfg["size_bytes"] / mx("wall_s") / 1e9,
-            rss_extra_mib=mx("rss_extra_mib"),
-            anon_extra_mib=mx("anon_extra_mib"),
-            file_extra_mib=mx("file_extra_mib"),
-            maxrss_delta_mib=mx("maxrss_delta_mib"),
+            time_s=max_over(per_rank, "wall_s"),
+            call_s=max_over(per_rank, "call_s"),
+            gbps=self.cfg["size_bytes"] / max_over(per_rank, "wall_s") / 1e9,
+            **{k: max_over(per_rank, k) for k in ("rss_extra_mib", "anon_extra_mib", "file_extra_mib", "maxrss_delta_mib")},
             per_rank=per_rank,
             process_s=round(time.time() - t0, 2),
         )
@@ -644,19 +353,14 @@ class Runner:
     def verify_output(self, src: str, full: bool) -> dict:
         job = self._job("verify", src=src, full=full)
         try:
-            res = _run_single(verify_consolidated_main, job, sample=False)[0]
+            res = run_single(verify_consolidated_main, job, sample_ms=0)[0]
         except Exception as exc:
             res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(job["result"])
+            self.discard(job)
         rec = {"phase": "verify_save", **res}
         self.emit(rec)
         return rec
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else None
 
 
 def summarize(records: list[dict], cfg: dict) -> str:
@@ -671,16 +375,14 @@ def summarize(records: list[dict], cfg: dict) -> str:
         for cache in caches:
             sub = [r for r in rows if r["cache"] == cache]
             names = list(dict.fromkeys(r["contender"] for r in sub))
-            med = {n: _median([r["time_s"] for r in sub if r["contender"] == n]) for n in names}
+            med = {n: median([r["time_s"] for r in sub if r["contender"] == n]) for n in names}
             refs_here = [x for x in refs if x in med]
             title = f"**{label}**" + (f" (page cache: {cache})" if cache else "")
             out.append(title)
             out.append("")
-            by_rep = {(r["contender"], r["repeat"]): r["time_s"] for r in sub}
 
             def paired(n, x):
-                qs = [by_rep[(n, rep)] / by_rep[(x, rep)] for (m, rep) in by_rep if m == n and (x, rep) in by_rep]
-                return _median(qs)
+                return median(paired_ratios(sub, n, x))
 
             out.append(
                 "| contender | median s | runs s (repeat 0,1,..) | GB/s | "
@@ -723,11 +425,11 @@ def summarize(records: list[dict], cfg: dict) -> str:
     for r in failed:
         lines.append(f"- FAILED: {r.get('phase')} {r.get('contender')} repeat {r.get('repeat')}: {r.get('error')}")
     targets = []
-    def paired_all(rows, n, x):
-        t = {(r["contender"], r["repeat"]): r["time_s"] for r in rows}
-        return _median([t[(n, rep)] / t[(x, rep)] for (m, rep) in t if m == n and (x, rep) in t])
 
-    smed = {n: _median([r["time_s"] for r in saves if r["contender"] == n]) for n in SAVE.values()}
+    def paired_all(rows, n, x):
+        return median(paired_ratios(rows, n, x))
+
+    smed = {n: median([r["time_s"] for r in saves if r["contender"] == n]) for n in SAVE.values()}
     if smed.get("ours") and smed.get(SAVE_FLOOR):
         q = smed["ours"] / smed[SAVE_FLOOR]
         qp = paired_all(saves, "ours", SAVE_FLOOR)
@@ -741,9 +443,9 @@ def summarize(records: list[dict], cfg: dict) -> str:
         targets.append(f"- extra peak RSS per rank, ours (save and load, max) = {m:.0f} MiB (target ≤ 128): {'met' if m <= 128 else 'MISSED'}")
     for cache in sorted({r["cache"] for r in loads}):
         sub = [r for r in loads if r["cache"] == cache]
-        a = _median([r["time_s"] for r in sub if r["contender"] == "ours_load"])
+        a = median([r["time_s"] for r in sub if r["contender"] == "ours_load"])
         for ref in SINGLE:
-            b = _median([r["time_s"] for r in sub if r["contender"] == ref])
+            b = median([r["time_s"] for r in sub if r["contender"] == ref])
             if a and b:
                 q = a / b
                 qp = paired_all(sub, "ours_load", ref)
@@ -761,7 +463,7 @@ def parse_args(argv=None):
     p.add_argument("--size-gb", type=float, default=1.75, help="state dict size in GiB (default 1.75)")
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per contender (default 3)")
-    p.add_argument("--dir", default=None, help=f"work folder (default: a new temp dir under {DEFAULT_DATA_ROOT})")
+    p.add_argument("--dir", default=None, help=f"work folder (default: a new temp dir under {DATA_ROOT})")
     p.add_argument(
         "--only", default=None,
         help="comma list of contenders to run, by letter or name: " + ", ".join(f"{k}={v}" for k, v in ALL.items()),
@@ -785,15 +487,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
-    selected = list(ALL.values())
-    if args.only:
-        selected = []
-        for tok in args.only.split(","):
-            tok = tok.strip()
-            name = ALL.get(tok, tok)
-            if name not in ALL.values():
-                raise SystemExit(f"--only: unknown contender {tok!r}; choose from {ALL}")
-            selected.append(name)
+    selected = select(args.only, ALL)
     save_names = [n for n in SAVE.values() if n in selected]
     load_names = [n for n in LOAD.values() if n in selected]
 
@@ -803,13 +497,7 @@ def main(argv=None) -> int:
     bad_dims = [k for k, s in spec if s[0] % args.ranks]
     if bad_dims:
         print(f"note: {len(bad_dims)} tensors have dim 0 not divisible by {args.ranks} ranks (uneven Shard(0))", file=sys.stderr)
-    if args.dir:
-        work = Path(args.dir).resolve()
-        work.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix="bench_", dir=work))
-    else:
-        DEFAULT_DATA_ROOT.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix="bench_", dir=DEFAULT_DATA_ROOT))
+    work = make_work_dir("bench_", args.dir)
     free = shutil.disk_usage(work).free
     need = size * 4  # ours + pt_hf (sharded + consolidated) + the one being measured
     if free < need + 2 * GiB:
@@ -837,17 +525,7 @@ def main(argv=None) -> int:
         "size_bytes": size,
     }
     env = {
-        "phase": "env",
-        "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "safetensors": _version("safetensors"),
-        "hf_dcp_storage": _version("hf_dcp_storage"),
-        "git": _git_rev(),
-        "cpus": cpu,
-        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
-        "work_dir": str(work),
-        "fs": _fs_type(work),
+        **env_record(("safetensors", "hf_dcp_storage"), work=work),
         "drop_caches": can_drop,
         "dims": d.__dict__,
         "tensors": len(spec),
@@ -856,7 +534,7 @@ def main(argv=None) -> int:
         "args": vars(args),
         "cfg": cfg,
     }
-    runner = Runner(args, work, spec, cfg)
+    runner = SaveLoadRunner(args, work, spec, cfg)
     runner.emit(env)
     try:
         # ---- saves: repeat r runs the contenders forward when r is even, backwards when odd ----
@@ -868,18 +546,16 @@ def main(argv=None) -> int:
             os.sync()
             runner.measure(SAVE_FLOOR, repeat=-1, phase="prime", cache=None, out=out)
             shutil.rmtree(out, ignore_errors=True)
-        for rep in range(args.repeats):
-            order = save_names if rep % 2 == 0 else save_names[::-1]
-            for name in order:
-                out = str(work / f"{name}_r{rep}")
-                os.sync()
-                rec = runner.measure(name, repeat=rep, phase="save", cache=None, out=out)
-                if name in ("ours", "pt_hf") and rec.get("ok"):
-                    if name in keep:
-                        shutil.rmtree(keep[name], ignore_errors=True)
-                    keep[name] = out
-                else:
-                    shutil.rmtree(out, ignore_errors=True)
+        for rep, name in interleave(save_names, args.repeats):
+            out = str(work / f"{name}_r{rep}")
+            os.sync()
+            rec = runner.measure(name, repeat=rep, phase="save", cache=None, out=out)
+            if name in ("ours", "pt_hf") and rec.get("ok"):
+                if name in keep:
+                    shutil.rmtree(keep[name], ignore_errors=True)
+                keep[name] = out
+            else:
+                shutil.rmtree(out, ignore_errors=True)
         for name in ("ours", "pt_hf"):
             if name in keep:
                 runner.verify_output(keep[name], full=args.full_verify)
@@ -896,16 +572,14 @@ def main(argv=None) -> int:
                     raise SystemExit("could not write the checkpoint to load")
             runner.emit({"phase": "load_source", "dir": os.path.basename(src), "bytes": _du(src)})
             for cache in caches:
-                for rep in range(args.repeats):
-                    order = load_names if rep % 2 == 0 else load_names[::-1]
-                    for name in order:
-                        if cache == "cold":
-                            _drop_caches()
-                        else:
-                            _warm(src)
-                        runner.measure(name, repeat=rep, phase="load", cache=cache, src=src, verify=True)
+                for rep, name in interleave(load_names, args.repeats):
+                    if cache == "cold":
+                        _drop_caches()
+                    else:
+                        _warm(src)
+                    runner.measure(name, repeat=rep, phase="load", cache=cache, src=src, verify=True)
     finally:
-        runner.jsonl.close()
+        runner.close()
         elapsed = time.time() - t_start
         table = summarize(runner.records, cfg)
         print()
@@ -915,9 +589,7 @@ def main(argv=None) -> int:
         if args.md_out:
             _write_md(args.md_out, env, table, work / "results.jsonl", elapsed)
         if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                DEFAULT_DATA_ROOT.rmdir()  # only if empty
+            remove_work_dir(work)
     return 0 if all(r.get("ok", True) for r in runner.records) else 1
 
 
@@ -936,41 +608,7 @@ def _write_md(path: str, env: dict, table: str, jsonl: Path, elapsed: float) -> 
         f"- command: `python benchmarks/bench_save_load.py {' '.join(sys.argv[1:])}`; full run {elapsed / 60:.1f} min",
         "",
     ]
-    raw = jsonl.read_text() if jsonl.exists() else ""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("\n".join(head) + "\n" + table + "\n\n## Raw JSON lines\n\n```json\n" + raw + "```\n")
-
-
-def _git_rev() -> str:
-    """The checkout's commit, with "+dirty" when the library folder has uncommitted changes."""
-    import subprocess
-
-    try:
-        root = HERE.parent
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "hf_dcp_storage"], capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev + ("+dirty" if dirty else "")) or "?"
-    except Exception:
-        return "?"
-
-
-def _version(mod: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(mod)
-    except Exception:
-        return "?"
-
-
-def _fs_type(path: Path) -> str:
-    best, fstype = "", "?"
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) > 2 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
-                best, fstype = parts[1], f"{parts[2]} on {parts[0]}"
-    return fstype
+    write_report(path, "\n".join(head) + "\n" + table, jsonl.read_text() if jsonl.exists() else "")
 
 
 if __name__ == "__main__":

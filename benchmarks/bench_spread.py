@@ -32,8 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from _harness import MiB, radosgw_unavailable, repeat_order, seal_aws_env, start_radosgw, storage_options, timed_subclass, write_report
+
+ROOT = HERE.parent
 TENSORS, ROWS, COLS = 48, 1024, 1024  # bf16: 2 MiB each
+S3_BLOCK_SIZE = 5 * MiB  # tests/conftest.py's: s3fs buffers this much, then uploads parts this big
 
 
 def _full(i: int):
@@ -53,22 +59,10 @@ def _rank(rank: int, world: int, url: str, options: dict | None, out: str) -> No
 
     mesh = init_device_mesh("cpu", (world,))
     sd = {f"layers.{i}.weight": distribute_tensor(_full(i), mesh, [Shard(0)], src_data_rank=None) for i in range(TENSORS)}
-    writer = HFStorageWriter(url, storage_options=options, direct_write=False, max_shard_size="24MB")
-    times: dict[str, float] = {}
-    for name in ("write_data", "finish"):
-        method = getattr(writer, name)
-
-        def timed(*a, _m=method, _n=name, **k):
-            t = time.perf_counter()
-            try:
-                return _m(*a, **k)
-            finally:
-                times[_n] = time.perf_counter() - t
-
-        setattr(writer, name, timed)
+    writer = timed_subclass(HFStorageWriter, ["write_data", "finish"])(url, storage_options=options, direct_write=False, max_shard_size="24MB")
     t = time.perf_counter()
     dcp.save(sd, storage_writer=writer)
-    times["save"] = time.perf_counter() - t
+    times = {**writer.bench_t, "save": time.perf_counter() - t}
     stats = writer.merge_stats if rank == 0 else None
     by_rank = getattr(stats, "by_rank", None) if stats is not None else None
     Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "by_rank": by_rank, "client_bytes": stats.client_bytes if stats else None}))
@@ -76,6 +70,8 @@ def _rank(rank: int, world: int, url: str, options: dict | None, out: str) -> No
 
 def _child(args: argparse.Namespace) -> None:
     """(a fresh process, ``PYTHONPATH`` = the tree measured) Save once on ``--ranks`` ranks."""
+    # tests/_dist.py's ranks (one torch thread each, DCP's failures with their traces, no
+    # teardown abort), as the library's own distributed tests run.
     sys.path.insert(0, str(ROOT / "tests"))
     from _dist import run_ranks
 
@@ -135,29 +131,26 @@ def main() -> None:
         _child(args)
         return
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import _radosgw
-    from conftest import s3_storage_options
-
-    reason = _radosgw.radosgw_unavailable()
+    reason = radosgw_unavailable()
     if reason is not None:
         raise SystemExit(f"radosgw: {reason}")
+    seal_aws_env()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="hf_dcp_spread_") as tmp:
         base = Path(tmp, "baseline")
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.baseline_rev], cwd=ROOT, check=True)
-        endpoint, stop = _radosgw.start_radosgw(Path(tmp, "ceph"))
+        server = start_radosgw(Path(tmp, "ceph"))
         try:
             import s3fs
 
-            options = s3_storage_options(endpoint)
+            options = storage_options(server.endpoint, S3_BLOCK_SIZE)
             s3fs.S3FileSystem(**options).mkdir("bench-spread")
             trees = {"ranks (this tree)": ROOT, f"coordinator ({args.baseline_rev})": base}
             rows: dict[tuple[str, str], list[list[dict]]] = {}
+            stores = (("S3 (radosgw)", "s3://bench-spread/ckpt", options), ("file://, staged", Path(tmp, "ckpt").as_uri(), None))
             for rep in range(args.repeats):
-                order = list(trees.items()) if rep % 2 == 0 else list(reversed(trees.items()))
-                for store, url, opts in (("S3 (radosgw)", "s3://bench-spread/ckpt", options), ("file://, staged", Path(tmp, "ckpt").as_uri(), None)):
-                    for label, src in order:
+                for store, url, opts in stores:
+                    for label, src in repeat_order(list(trees.items()), rep):
                         _clear(url, opts)
                         ranks = _measure(src, url, opts, args.ranks)
                         if not _verify(url, opts):
@@ -165,7 +158,7 @@ def main() -> None:
                         rows.setdefault((store, label), []).append(ranks)
                         print(f"repeat {rep} {store} {label}: save {max(r['times']['save'] for r in ranks):.2f} s, finish {ranks[0]['times']['finish']:.2f} s", flush=True)
         finally:
-            stop()
+            server.stop()
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
 
     med = statistics.median
@@ -188,7 +181,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.md_out:
-        Path(args.md_out).write_text(text + "\n```\n" + json.dumps({f"{k[0]} / {k[1]}": v for k, v in rows.items()}) + "\n```\n")
+        write_report(args.md_out, text + "\n```\n" + json.dumps({f"{k[0]} / {k[1]}": v for k, v in rows.items()}) + "\n```\n")
 
 
 if __name__ == "__main__":

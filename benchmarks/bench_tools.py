@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_save_load import GiB, MiB, model_dims, model_spec, total_bytes  # noqa: E402
+from _harness import DATA_ROOT, GiB, MiB, model_dims, model_spec, total_bytes, write_report  # noqa: E402
 
 from hf_dcp_storage import HFStorageWriter  # noqa: E402
 
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0, help="state dict size in GiB (bf16)")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each operation; medians reported")
-    ap.add_argument("--data-root", default=str(HERE / "_data"), help="scratch folder (same disk as the checkout)")
+    ap.add_argument("--data-root", default=str(DATA_ROOT), help="scratch folder (same disk as the checkout)")
     ap.add_argument("--md-out", help="write the results table here (markdown)")
     args = ap.parse_args()
 
@@ -188,7 +188,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.md_out:
-        Path(args.md_out).write_text(text)
+        write_report(args.md_out, text)
 
 
 if __name__ == "__main__":
