@@ -11,6 +11,10 @@ Save contenders (all write the same bytes):
                (per-rank sharded files, then consolidation on rank 0, all inside dcp.save)
   c  pt_fs     torch FileSystemWriter (.distcp + .metadata)
   d  plain     each rank f.write()s its shards' bytes to its own file, then os.fsync (the floor)
+  i  ours_buffered  HFStorageWriter(direct_io=False): through the page cache (a's default is
+               O_DIRECT where the filesystem takes it)
+  j  odirect   each rank writes its shards' bytes to its own file with O_DIRECT from one 16 MiB
+               page-aligned buffer, then fsync (the device's floor)
 Load contenders (into a freshly allocated Shard(0) DTensor state dict; all read the files of a):
   e  ours_load    HFStorageReader
   f  pt_hf_load   torch HuggingFaceStorageReader
@@ -20,6 +24,8 @@ Load contenders (into a freshly allocated Shard(0) DTensor state dict; all read 
                   is then really in memory (as shared page-cache pages, no copy).
   h  st_load_file_pread  the same with load_file(..., backend="pread"): copies into process memory,
                   which is what the DCP readers do (into their destination tensors).
+  k  ours_load_direct  HFStorageReader(direct_io=True): O_DIRECT reads into aligned buffers
+  l  odirect_read each rank reads the bytes of its own j file with O_DIRECT (16 MiB aligned buffer)
 
 Timing: time.perf_counter around the save/load call only, a barrier before the start and after
 the end, max over ranks. Memory: the parent samples VmRSS/RssAnon/RssFile of every rank from
@@ -52,8 +58,9 @@ from _harness import (
     write_report,
 )
 
-SAVE = {"a": "ours", "b": "pt_hf", "c": "pt_fs", "d": "plain"}
-LOAD = {"e": "ours_load", "f": "pt_hf_load", "g": "st_load_file", "h": "st_load_file_pread"}
+SAVE = {"a": "ours", "b": "pt_hf", "c": "pt_fs", "d": "plain", "i": "ours_buffered", "j": "odirect"}
+LOAD = {"e": "ours_load", "f": "pt_hf_load", "g": "st_load_file", "h": "st_load_file_pread", "k": "ours_load_direct", "l": "odirect_read"}
+RAW_BLOCK = 16 << 20  # the raw O_DIRECT contenders' one aligned buffer
 SINGLE = ("st_load_file", "st_load_file_pread")
 ALL = {**SAVE, **LOAD}
 SAVE_FLOOR = "plain"
@@ -74,14 +81,60 @@ def _plain_write(sd, path: str) -> None:
         os.fsync(f.fileno())
 
 
+def _odirect_write(sd, path: str) -> None:
+    """Each local shard's bytes, back to back, with O_DIRECT from one aligned buffer; the tail
+    (a partial page) is padded to the page and the file truncated to its true size."""
+    import mmap
+
+    buf = mmap.mmap(-1, RAW_BLOCK)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        pos = fill = 0
+        for v in sd.values():
+            data = memoryview(v.to_local().view(torch.uint8).numpy()).cast("B") if v.to_local().numel() else memoryview(b"")
+            while data:
+                take = min(len(data), RAW_BLOCK - fill)
+                buf[fill : fill + take] = data[:take]
+                fill, data = fill + take, data[take:]
+                if fill == RAW_BLOCK:
+                    pos += os.pwrite(fd, buf, pos)
+                    fill = 0
+        if fill:
+            padded = -(-fill // 4096) * 4096
+            os.pwrite(fd, memoryview(buf)[:padded], pos)
+            os.ftruncate(fd, pos + fill)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _odirect_read(path: str) -> int:
+    """Every byte of ``path`` with O_DIRECT into one aligned buffer; returns the bytes read."""
+    import mmap
+
+    buf = mmap.mmap(-1, RAW_BLOCK)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        total = 0
+        while n := os.preadv(fd, [buf], total):
+            total += n
+        return total
+    finally:
+        os.close(fd)
+
+
 def _save_call(name: str, sd, out: str, rank: int, cfg: dict):
     import torch.distributed.checkpoint as dcp
 
-    if name == "ours":
+    if name in ("ours", "ours_buffered"):
         from hf_dcp_storage import HFStorageWriter
 
         kw = {} if cfg["threads"] is None else {"thread_count": cfg["threads"]}
+        kw["direct_io"] = None if name == "ours" else False
         return lambda: dcp.save(sd, storage_writer=HFStorageWriter(out, max_shard_size=cfg["max_shard_size"], **kw))
+    if name == "odirect":
+        os.makedirs(out, exist_ok=True)
+        return lambda: _odirect_write(sd, os.path.join(out, f"rank{rank:05d}.bin"))
     if name == "pt_hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -103,11 +156,17 @@ def _save_call(name: str, sd, out: str, rank: int, cfg: dict):
 def _load_call(name: str, sd, src: str, cfg: dict):
     import torch.distributed.checkpoint as dcp
 
-    if name == "ours_load":
+    if name in ("ours_load", "ours_load_direct"):
         from hf_dcp_storage import HFStorageReader
 
         kw = {} if cfg["threads"] is None else {"thread_count": cfg["threads"]}
+        if name == "ours_load_direct":
+            kw["direct_io"] = True
         return lambda: dcp.load(sd, storage_reader=HFStorageReader(src, **kw))
+    if name == "odirect_read":
+        import torch.distributed as dist
+
+        return lambda: _odirect_read(os.path.join(cfg["raw_src"], f"rank{dist.get_rank():05d}.bin"))
     if name == "pt_hf_load":
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -119,6 +178,8 @@ def _load_call(name: str, sd, src: str, cfg: dict):
 def _warmup(name: str, mesh, rank: int, world: int, scratch: str, cfg: dict) -> None:
     """A tiny save/load through the same code path, so one-time imports/lazy init are not timed."""
     spec = [("w", (4 * world, 8))]
+    if name == "odirect_read":
+        return  # reads a file of its own; nothing to warm (O_DIRECT bypasses the cache)
     if name in SAVE.values():
         sd = dtensor_state_dict(spec, mesh, rank, world, fill="data")
         _save_call(name, sd, scratch, rank, cfg)()
@@ -437,7 +498,21 @@ def summarize(records: list[dict], cfg: dict) -> str:
             f"- save: ours / plain write+fsync = {q:.2f} as a ratio of medians, {qp:.2f} as the median of "
             f"per-repeat ratios (target ≤ 1.15): {'met' if q <= 1.15 else 'MISSED'}"
         )
-    ours_rss = [r["rss_extra_mib"] for r in saves + loads if r["contender"] in ("ours", "ours_load")]
+    if smed.get("ours") and smed.get("odirect"):
+        q = smed["ours"] / smed["odirect"]
+        slow = max(r["time_s"] for r in saves if r["contender"] == "ours") / max(r["time_s"] for r in saves if r["contender"] == "odirect")
+        targets.append(
+            f"- save: ours / raw O_DIRECT write = {q:.2f} as a ratio of medians (target ≤ 1.05): {'met' if q <= 1.05 else 'MISSED'}; "
+            f"slowest repeats {slow:.2f} (target ≤ 1.2): {'met' if slow <= 1.2 else 'MISSED'}"
+        )
+    for cache in sorted({r["cache"] for r in loads}):
+        sub = [r for r in loads if r["cache"] == cache]
+        raw = median([r["time_s"] for r in sub if r["contender"] == "odirect_read"])
+        for name in ("ours_load", "ours_load_direct"):
+            a = median([r["time_s"] for r in sub if r["contender"] == name])
+            if a and raw:
+                targets.append(f"- load ({cache} cache): {name} / raw O_DIRECT read = {a / raw:.2f} as a ratio of medians (target ≤ 1.1 cold): {'met' if a / raw <= 1.1 else 'MISSED'}")
+    ours_rss = [r["rss_extra_mib"] for r in saves + loads if r["contender"] in ("ours", "ours_buffered", "ours_load", "ours_load_direct")]
     if ours_rss:
         m = max(ours_rss)
         targets.append(f"- extra peak RSS per rank, ours (save and load, max) = {m:.0f} MiB (target ≤ 128): {'met' if m <= 128 else 'MISSED'}")
@@ -550,7 +625,7 @@ def main(argv=None) -> int:
             out = str(work / f"{name}_r{rep}")
             os.sync()
             rec = runner.measure(name, repeat=rep, phase="save", cache=None, out=out)
-            if name in ("ours", "pt_hf") and rec.get("ok"):
+            if name in ("ours", "pt_hf", "odirect") and rec.get("ok"):
                 if name in keep:
                     shutil.rmtree(keep[name], ignore_errors=True)
                 keep[name] = out
@@ -563,6 +638,11 @@ def main(argv=None) -> int:
             shutil.rmtree(os.path.join(keep["pt_hf"], "sharded"), ignore_errors=True)
 
         # ---- loads: all readers read the same consolidated files (ours, else pt_hf's, else a fresh save) ----
+        if "odirect_read" in load_names:
+            if "odirect" not in keep:
+                keep["odirect"] = str(work / "raw_src")
+                runner.measure("odirect", repeat=-1, phase="prepare", cache=None, out=keep["odirect"])
+            cfg["raw_src"] = keep["odirect"]
         if load_names:
             src = keep.get("ours") or keep.get("pt_hf")
             if src is None:
@@ -577,7 +657,7 @@ def main(argv=None) -> int:
                         _drop_caches()
                     else:
                         _warm(src)
-                    runner.measure(name, repeat=rep, phase="load", cache=cache, src=src, verify=True)
+                    runner.measure(name, repeat=rep, phase="load", cache=cache, src=src, verify=name != "odirect_read")
     finally:
         runner.close()
         elapsed = time.time() - t_start

@@ -119,7 +119,7 @@ def _markdown(rows: list[tuple[str, str, KillOutcome]], seconds: float) -> str:
         "`tests/_killchain.py`: older steps byte-identical and `latest()`, the killed step never listed",
         "complete nor loaded, the next save sound with no staged object, record or open upload left.",
         "",
-        "| store | save | killed | moment | ranks ended | survivors' seconds to fail | survived |",
+        "| store | save | killed | moment | ranks ended | survivors' seconds from the kill to their end | survived |",
         "|---|---|---|---|---|---:|---|",
         *(_row(*r) for r in rows),
         "",

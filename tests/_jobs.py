@@ -16,6 +16,7 @@ into the job folder before the rendezvous), and ``kill_self()`` only the calling
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -47,6 +48,8 @@ class RankEnd:
     error: str = ""
     signal: int | None = None
     log: str = ""  # what the rank logged at WARNING and above
+    ended_at: float = 0.0  # wall-clock time it was seen ended (time.time())
+    fired_at: float | None = None  # when a kill point fired in the job (``_killpoints``), if one did
 
 
 @dataclass(frozen=True)
@@ -81,17 +84,21 @@ def run_job(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.
         for p in procs:
             p.start()
         ended: dict[int, float] = {}
+        ended_at: dict[int, float] = {}
         while len(ended) < world and time.monotonic() - started < timeout:
             for rank, p in enumerate(procs):
                 if rank not in ended and not p.is_alive():
-                    ended[rank] = time.monotonic() - started
+                    ended[rank], ended_at[rank] = time.monotonic() - started, time.time()
             time.sleep(0.02)
         hung = [rank for rank in range(world) if rank not in ended]
         for rank in hung:
             procs[rank].kill()
         for p in procs:
             p.join()
-        return JobResult(tuple(_ending(rank, procs[rank], job_dir, ended.get(rank, timeout), rank in hung) for rank in range(world)))
+        fired = os.path.join(job_dir, "fired")
+        fired_at = float(open(fired).read() or "nan") if os.path.exists(fired) else None
+        ends = [_ending(rank, procs[rank], job_dir, ended.get(rank, timeout), rank in hung) for rank in range(world)]
+        return JobResult(tuple(dataclasses.replace(e, ended_at=ended_at.get(e.rank, time.time()), fired_at=fired_at) for e in ends))
 
 
 def _ending(rank: int, proc: Any, job_dir: str, seconds: float, hung: bool) -> RankEnd:

@@ -231,7 +231,7 @@ def kill_chain(run_url: str, options: dict | None, moments: tuple[str, ...], kin
         outcome.problems += _ending_problems(ends, kind, None)
         if any(n.startswith("facts.json.not_killed") for n in os.listdir(scratch)):
             outcome.problems.append("a rank completed the save that was to be killed")
-        outcome.survivor_seconds = [e.seconds for e in ends if e.how != "killed"]
+        outcome.survivor_seconds = _after_the_kill(ends)
         after, problems = _after_kill(run_url, options, before, moment, next_step)
         outcome.problems += problems
         outcomes.append(outcome)
@@ -241,6 +241,11 @@ def kill_chain(run_url: str, options: dict | None, moments: tuple[str, ...], kin
         clean = next_step if (i % 2 == 0 and not committed) else next_step + 1
         next_step = clean + 1
     return outcomes
+
+
+def _after_the_kill(ends: tuple[RankEnd, ...]) -> list[float]:
+    """Seconds from the kill to each surviving rank's end (its failure, or its hang's kill)."""
+    return [e.ended_at - e.fired_at for e in ends if e.how != "killed" and e.fired_at is not None]
 
 
 def _ending_problems(ends: tuple[RankEnd, ...], kind: str, facts: dict | None) -> list[str]:
@@ -327,7 +332,7 @@ def bare_kill(url: str, options: dict | None, moment: str, kind: str, world: int
     result = run_job(_bare_job, world, url, options, (moment, kind), timeout=JOB_TIMEOUT)
     outcome.ends = result.how()
     outcome.problems += _ending_problems(result.ranks, kind, None)
-    outcome.survivor_seconds = [e.seconds for e in result.ranks if e.how != "killed"]
+    outcome.survivor_seconds = _after_the_kill(result.ranks)
     fs, root = _fresh(url, options)
     recorded = {f"rank{r:05d}.json" for r in range(world)} <= {n.rsplit("/", 1)[-1] for n in _fsio.list_tree(fs, root)}
     finishable = recorded or moment == "index-written"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
             fd = os.open(os.path.join(os.environ["HF_DCP_TEST_JOB_DIR"], "fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        os.write(fd, repr(time.time()).encode())  # when the kill came: the survivors' clock starts here
         os.close(fd)
         return True
 
