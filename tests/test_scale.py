@@ -95,10 +95,12 @@ def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, i
     writer.store = store = store_for_mode("direct" if mode == "local" else mode, writer.fs, writer.root, retry=writer.retry, threads=writer.thread_count)
     chunks = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data for r in range(world)]
     best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
+    # CPU time of this process, best of 5: other jobs on the machine (a shared 2-core VM) stretch
+    # wall time by several times and made this test flaky; they barely move our own CPU time.
+    for _ in range(5):
+        t = time.process_time()
         layout, tables, tasks = writer._plan_compact(chunks)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.process_time() - t)
     # The layout part of each rank's plan (on S3 with its own parts); a rank given finishing
     # work also gets that work's addresses, checked by test_spread.py.
     plans = writer_rank_plans([SavePlan([]) for _ in range(world)], layout, "0" * 32, mode == "local", [{}] * world, tables, tasks, store.rank_data(world))
