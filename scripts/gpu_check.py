@@ -6,16 +6,22 @@ under NCCL, against the same state dict on CPU. One command, a few minutes at mo
     python scripts/gpu_check.py --size-gb 0.5 --out DIR
     python scripts/gpu_check.py --allow-cpu --ranks 2 --size-gb 0.02   # no GPU: the same steps on CPU (smoke test)
 
-One rank per GPU (a 1-device mesh when there is one GPU), process group ``cpu:gloo,cuda:nccl``.
+One rank per GPU (a 1-device mesh when there is one GPU), process group ``cpu:gloo,cuda:nccl``
+(``--backend nccl``: plain NCCL, where the manager's own collectives take a gloo group).
 A llama-like bf16 state dict, every tensor a ``Shard(0)`` DTensor made on the device. For each
 side (``cuda``: the tensors on the GPUs; ``cpu``: the same values on CPU DTensors):
 
-* ``save``: ``dcp.save`` to local disk, wall time (max over ranks) and GB/s;
+* ``save``: ``dcp.save`` to local disk, wall time (max over ranks) and GB/s, with the default
+  ``direct_io`` (``O_DIRECT`` where the filesystem takes it: ``direct MiB`` says how much went
+  direct) and the host buffers the slabs went through (``pinned buffers``); ``save buffered``:
+  the same with ``direct_io=False``, whose files must be byte-identical;
 * ``load``: ``dcp.load`` into zeroed tensors of the same placement, checked equal to the saved ones;
 * ``load_fp32``: the same into float32 destinations (the dtype converted on the destination's device);
 * ``async``: ``dcp.async_save`` with an extra gloo group: the time the caller is blocked (the
   device-to-host staging) and the time until the checkpoint is complete; its files must be
-  byte-identical to the synchronous save's;
+  byte-identical to the synchronous save's; ``process async``: the same through DCP's background
+  process (``AsyncCheckpointerType.PROCESS``), staged by a ``DefaultStager`` into pinned (on
+  CUDA), shared memory;
 * (the device side only) ``CheckpointManager`` saves a step with a training-state tensor on the
   device and resumes it: its own collectives on this backend; then two async saves with
   ``reuse_staging`` (one kept, pinned host copy refilled) and a resume.
@@ -42,6 +48,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -106,7 +114,8 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
     device = args["device"]
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", init_method=init, rank=rank, world_size=world)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's background save process meets there
+    dist.init_process_group(args["backend"] if device == "cuda" else "gloo", init_method=init, rank=rank, world_size=world)
     async_group = dist.new_group(backend="gloo")
     spec = shapes(args["size_gb"])
     root = Path(args["work"])
@@ -118,7 +127,11 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
         nbytes = sum(v.numel() * v.element_size() for v in sd.values())  # of the global tensors
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out: dict[str, Any] = {"bytes": nbytes}
-        out["save_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=HFStorageWriter(root / f"{side}_sync")))
+        writer = HFStorageWriter(root / f"{side}_sync")
+        out["save_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=writer))
+        out["direct_io_mib"] = writer.merge_stats.direct_io_bytes / 2**20
+        out["pinned_buffers"] = writer._host.made if writer._host is not None and writer._host.pin else 0
+        out["save_buffered_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=HFStorageWriter(root / f"{side}_buffered", direct_io=False)))
         back = _state_dict(spec, mesh, fill=False)
         out["load_s"] = _timed(side, lambda: dcp.load(back, storage_reader=HFStorageReader(root / f"{side}_sync")))
         failures += [f"{side} load: {k}" for k in _same(sd, back)]
@@ -132,12 +145,21 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
         out["async_blocked_s"] = time.perf_counter() - t
         getattr(response, "upload_completion", response).result()
         out["async_total_s"] = time.perf_counter() - t
+        _sync(side)
+        stager = DefaultStager(StagingOptions(use_pinned_memory=side == "cuda", use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=side == "cuda"))
+        t = time.perf_counter()
+        response = dcp.async_save(sd, storage_writer=HFStorageWriter(root / f"{side}_process"), async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
+        out["process_blocked_s"] = time.perf_counter() - t
+        getattr(response, "upload_completion", response).result()
+        out["process_total_s"] = time.perf_counter() - t
+        stager.close()
         dist.barrier()
         out["extra_peak_rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
         if rank == 0:
             names = sorted(p.name for p in (root / f"{side}_sync").iterdir())
-            match, mismatch, errors = filecmp.cmpfiles(root / f"{side}_sync", root / f"{side}_async", names, shallow=False)
-            failures += [f"{side} async differs: {n}" for n in mismatch + errors]
+            for other in ("async", "process", "buffered"):
+                match, mismatch, errors = filecmp.cmpfiles(root / f"{side}_sync", root / f"{side}_{other}", names, shallow=False)
+                failures += [f"{side} {other} differs: {n}" for n in mismatch + errors]
         if side == device:
             # The manager on this backend: its own collectives, training-state tensors on the device.
             mgr = CheckpointManager(root / f"{side}_run", keep_last_n=1)
@@ -166,13 +188,18 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
 
 
 def _table(per_rank: list[dict[str, Any]]) -> list[str]:
-    lines = ["| tensors on | GB | save s (GB/s) | load s (GB/s) | load into fp32 s | async: blocked s | async: total s | extra peak host RSS/rank MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| tensors on | GB | save s (GB/s) | direct MiB | pinned buffers | save buffered s | load s (GB/s) | load into fp32 s | async: blocked / total s "
+        "| process async: blocked / total s | extra peak host RSS/rank MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for side in per_rank[0]["results"]:
         worst = {k: max(r["results"][side][k] for r in per_rank) for k in per_rank[0]["results"][side]}
         gb = per_rank[0]["results"][side]["bytes"] / GB  # global sizes: the same on every rank
         lines.append(
-            f"| {side} | {gb:.2f} | {worst['save_s']:.2f} ({gb / worst['save_s']:.2f}) | {worst['load_s']:.2f} ({gb / worst['load_s']:.2f}) | "
-            f"{worst['load_fp32_s']:.2f} | {worst['async_blocked_s']:.2f} | {worst['async_total_s']:.2f} | {worst['extra_peak_rss_mib']:.0f} |"
+            f"| {side} | {gb:.2f} | {worst['save_s']:.2f} ({gb / worst['save_s']:.2f}) | {worst['direct_io_mib']:.0f} | {worst['pinned_buffers']} | "
+            f"{worst['save_buffered_s']:.2f} | {worst['load_s']:.2f} ({gb / worst['load_s']:.2f}) | {worst['load_fp32_s']:.2f} | "
+            f"{worst['async_blocked_s']:.2f} / {worst['async_total_s']:.2f} | {worst['process_blocked_s']:.2f} / {worst['process_total_s']:.2f} | {worst['extra_peak_rss_mib']:.0f} |"
         )
     return lines
 
@@ -184,6 +211,7 @@ def main() -> int:
     ap.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the same steps on CPU tensors")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
     ap.add_argument("--work", help="where the checkpoints go (default: a temp folder, removed)")
+    ap.add_argument("--backend", default="cpu:gloo,cuda:nccl", help="the process group's backend on GPUs (also: nccl)")
     args = ap.parse_args()
     if torch.cuda.is_available():
         device, world = "cuda", args.ranks or torch.cuda.device_count()
@@ -196,12 +224,12 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     init = f"file://{work / 'rendezvous'}"
     t = time.perf_counter()
-    mp.spawn(_rank, args=(world, {"device": device, "size_gb": args.size_gb, "work": str(work)}, init), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, {"device": device, "size_gb": args.size_gb, "work": str(work), "backend": args.backend}, init), nprocs=world, join=True)
     per_rank = json.loads((work / "result.json").read_text())
     failures = [f for r in per_rank for f in r["failures"]]
     env = {
         "torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "ranks": world, "size_gb": args.size_gb, "wall_s": round(time.perf_counter() - t, 1),
+        "ranks": world, "size_gb": args.size_gb, "backend": args.backend if device == "cuda" else "gloo", "wall_s": round(time.perf_counter() - t, 1),
     }  # fmt: skip
     text = "\n".join([f"gpu_check: {json.dumps(env)}", "", *_table(per_rank), "", "failures: " + (", ".join(failures) if failures else "none")]) + "\n"
     print(text)

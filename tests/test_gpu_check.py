@@ -1,5 +1,6 @@
 """The GPU check script (``scripts/gpu_check.py``) stays runnable: its CPU smoke mode runs the
-same steps (save, load, load into fp32, async save compared byte for byte) on 2 gloo ranks."""
+same steps (save with and without direct I/O, load, load into fp32, thread- and process-based
+async saves compared byte for byte, the manager) on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -26,4 +27,6 @@ def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
     assert report["failures"] == [] and report["env"]["ranks"] == 2
     side = report["ranks"][0]["results"]["cpu"]
     assert side["bytes"] > 0 and side["async_blocked_s"] <= side["async_total_s"]
+    assert side["process_blocked_s"] <= side["process_total_s"]  # DCP's process-based async save ran
+    assert side["direct_io_mib"] >= 0 and side["save_buffered_s"] > 0
     assert "| cpu |" in (tmp_path / "out" / "gpu_check.md").read_text()
