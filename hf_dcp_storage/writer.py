@@ -192,6 +192,7 @@ class HFStorageWriter(StorageWriter):
         # meeting's keys in ``finish``.
         self._save_id = ""
         self._meets = False
+        self._alone = False  # dcp.save(..., use_collectives=False): every rank plans and commits alone
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -207,7 +208,6 @@ class HFStorageWriter(StorageWriter):
         self._refuse_if_busy()
         self._owner = threading.current_thread()
         self.is_coordinator = is_coordinator
-        # dcp.save(..., use_collectives=False): every rank plans and commits alone.
         self._alone = kwargs.get("use_collectives") is False
 
     def _refuse_if_busy(self) -> None:
@@ -245,7 +245,7 @@ class HFStorageWriter(StorageWriter):
         try:
             layout, tables, tasks = self._plan_compact(compact)
         except ValueError as exc:
-            if getattr(self, "_alone", False):
+            if self._alone:
                 raise ValueError(
                     f"HFStorageWriter cannot save this with dcp.save(..., use_collectives=False): in that mode every rank "
                     f"plans and commits alone, and a consolidated file needs every rank's shards ({exc}). Save with "
