@@ -37,9 +37,14 @@ from .retention import COMMIT_MARKER
 from .runs import remove_folder
 from .trainstate import capture_rng, join, restore_rng, split
 
-__all__ = ["TRAINING_STATE_DIR", "rank_file", "prepare", "clear", "write_rank_state", "writers", "commit", "load", "is_complete"]
+__all__ = ["TRAINING_STATE_DIR", "locate", "rank_file", "prepare", "clear", "write_rank_state", "writers", "commit", "load", "is_complete"]
 
 TRAINING_STATE_DIR = "training_state"
+
+
+def locate(url: str, storage_options: dict[str, Any] | None) -> tuple[AbstractFileSystem, str]:
+    """``(filesystem, path)`` of a checkpoint folder given as a local path or any fsspec URL."""
+    return fsio.resolve(url, storage_options)
 
 
 def rank_file(rank: int) -> str:
