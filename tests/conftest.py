@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import uuid
 from collections.abc import Iterator
 
@@ -72,6 +74,34 @@ def s3_user_options(endpoint: str) -> dict:
     return {"anon": False, "key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}, "default_block_size": S3_BLOCK_SIZE}
 
 
+@contextlib.contextmanager
+def _sealed_aws_env() -> Iterator[None]:
+    """The fake AWS environment of ``_FAKE_AWS_ENV`` (inherited by spawned ranks), undone after."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in _FAKE_AWS_ENV.items():
+            mp.setenv(name, value)
+        for name in _UNSET_AWS_ENV:
+            mp.delenv(name, raising=False)
+        yield
+
+
+@contextlib.contextmanager
+def _moto_server() -> Iterator[str]:
+    """moto's S3 server in a thread of this process (port 0: the OS picks a free port)."""
+    moto_server = pytest.importorskip("moto.server")
+    werkzeug_log = logging.getLogger("werkzeug")
+    old_level = werkzeug_log.level
+    werkzeug_log.setLevel(logging.WARNING)  # it logs every request at INFO
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        werkzeug_log.setLevel(old_level)
+
+
 @pytest.fixture(scope="session", params=["moto", "radosgw"])
 def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
     """``http://127.0.0.1:<port>`` of a real S3 server on loopback, once per session per server.
@@ -89,45 +119,47 @@ def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
         reason = _radosgw.radosgw_unavailable()
         if reason is not None:
             pytest.skip(f"radosgw: {reason}")
-    else:
-        moto_server = pytest.importorskip("moto.server")
-    import logging
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in _FAKE_AWS_ENV.items():
-            mp.setenv(name, value)
-        for name in _UNSET_AWS_ENV:
-            mp.delenv(name, raising=False)
-        if request.param == "radosgw":
+        with _sealed_aws_env():
             # A Ceph that is installed but fails to start errors the tests (with its log tail).
             endpoint, stop = _radosgw.start_radosgw()
             try:
                 yield endpoint
             finally:
                 stop()
-            return
-        werkzeug_log = logging.getLogger("werkzeug")
-        old_level = werkzeug_log.level
-        werkzeug_log.setLevel(logging.WARNING)  # it logs every request at INFO
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
-            werkzeug_log.setLevel(old_level)
+        return
+    with _sealed_aws_env(), _moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """Like ``s3_endpoint``, moto only: for the trainer integrations (``tests/integrations/``),
+    whose runs are too long to repeat against every server."""
+    pytest.importorskip("s3fs")
+    with _sealed_aws_env(), _moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
 def s3(s3_endpoint: str) -> Iterator[tuple[str, dict]]:
     """``("s3://<fresh bucket>", storage_options)``: an empty bucket of its own per test, and the
     options a user would pass (``s3_user_options``)."""
+    yield from fresh_bucket(s3_endpoint)
+
+
+@pytest.fixture
+def moto_s3(moto_endpoint: str) -> Iterator[tuple[str, dict]]:
+    """``s3`` on moto only."""
+    yield from fresh_bucket(moto_endpoint)
+
+
+def fresh_bucket(endpoint: str) -> Iterator[tuple[str, dict]]:
+    """Yields ``("s3://<fresh bucket>", user storage_options)``; removes the bucket after."""
     import s3fs
 
-    options = s3_user_options(s3_endpoint)
+    options = s3_user_options(endpoint)
     bucket = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
-    fs = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
+    fs = s3fs.S3FileSystem(**s3_storage_options(endpoint))
     fs.mkdir(bucket)
     try:
         yield f"s3://{bucket}", options

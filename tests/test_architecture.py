@@ -1,10 +1,11 @@
 """The layout of the package, pinned: one module per destination kind, the writer only speaks DCP,
 and data flows down the layers without climbing back.
 
-    tools -> steps -> writer, reader, planner -> stores -> io -> plan -> format
+    integrations -> tools -> steps -> writer, reader, planner -> stores -> io -> plan -> format
 
 A module imports only from its own layer or the layers below (function-level imports count:
-they are dependencies too); there is no import cycle; ``plan/`` and ``format/`` touch no file
+they are dependencies too); there is no import cycle; a trainer integration builds on the public
+API, ``steps/``, the writer and the reader only, and imports its trainer in its own module alone; ``plan/`` and ``format/`` touch no file
 and import no fsspec; S3 requests are made only by the S3 store; no module is over 450 lines
 and ``writer.py`` is at most 400.
 """
@@ -19,7 +20,10 @@ import pytest
 import hf_dcp_storage
 
 PACKAGE = pathlib.Path(hf_dcp_storage.__file__).parent
-LAYERS = {"format": 0, "plan": 1, "io": 2, "stores": 3, "writer": 4, "reader": 4, "planner": 4, "steps": 5, "tools": 6, "__init__": 7, "__main__": 7}
+LAYERS = {"format": 0, "plan": 1, "io": 2, "stores": 3, "writer": 4, "reader": 4, "planner": 4, "steps": 5, "tools": 6, "__init__": 7, "__main__": 7, "integrations": 8}
+# What the trainer integrations may build on, and the trainer package each one (alone) imports.
+_INTEGRATION_BASES = {"__init__", "steps", "writer", "reader"}
+_TRAINERS = {"integrations.torchtitan": "torchtitan", "integrations.lightning": "lightning"}
 MAX_LINES, MAX_WRITER_LINES = 450, 400
 # The calls that send a request through s3fs's botocore client, and the module names that may.
 _S3_CLIENT_CALLS = {"get_s3", "_call_s3", "set_session", "_get_s3_method_kwargs"}
@@ -94,6 +98,40 @@ def test_no_import_cycles() -> None:
             assert cycle is None, " -> ".join(cycle[cycle.index(cycle[-1]) :])
 
 
+def test_integrations_build_on_the_public_api_steps_writer_and_reader_only() -> None:
+    modules = _modules()
+    outside = sorted(
+        f"{name} -> {dep}"
+        for name, path in modules.items()
+        if name.startswith("integrations.")
+        for dep in _imports(name, path, modules)
+        if dep.split(".")[0] not in _INTEGRATION_BASES
+    )
+    assert outside == [], "an integration reaches past the public API, steps/, writer and reader: " + ", ".join(outside)
+    assert sorted(m for m in modules if m.startswith("integrations.")) == sorted(_TRAINERS)
+
+
+def test_each_trainer_is_imported_by_its_integration_alone() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                offenders += [f"{name}: imports {n}" for n in names if n.split(".")[0] in _TRAINERS.values() and _TRAINERS.get(name) != n.split(".")[0]]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("module,trainer", sorted(_TRAINERS.items()))
+def test_an_integration_without_its_trainer_says_how_to_install_it(module: str, trainer: str) -> None:
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(trainer) is not None:
+        pytest.skip(f"{trainer} is installed here: tests/integrations/ tests the integration itself")
+    with pytest.raises(ImportError, match=rf"hf_dcp_storage\.{module} needs .*pip install 'hf_dcp_storage\[{trainer}\]'"):
+        importlib.import_module(f"hf_dcp_storage.{module}")
+
+
 def test_module_sizes() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
@@ -155,7 +193,12 @@ def test_every_module_imports_with_deprecation_warnings_as_errors() -> None:
     import subprocess
     import sys
 
-    names = sorted(f"hf_dcp_storage.{m}" if m != "__init__" else "hf_dcp_storage" for m in _modules() if m != "__main__")
+    import importlib.util
+
+    # An integration imports only where its trainer is installed (the test above checks the
+    # message otherwise; tests/integrations/ imports it where it is).
+    absent = {m for m, trainer in _TRAINERS.items() if importlib.util.find_spec(trainer) is None}
+    names = sorted(f"hf_dcp_storage.{m}" if m != "__init__" else "hf_dcp_storage" for m in _modules() if m != "__main__" and m not in absent)
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code, *names], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

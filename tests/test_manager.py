@@ -42,12 +42,13 @@ def test_retention_keeps_newest_multiples_and_in_flight() -> None:
 
 
 class _Counter:
-    """A ``Stateful`` with a tensor, a tuple, int keys, and a non-finite float."""
+    """A ``Stateful`` with a tensor, a tuple, int keys, a non-finite float and bytes (a pickle a
+    dataloader made of itself, as torchtitan's does)."""
 
     def __init__(self) -> None:
         self.seen = 0
         self.weights = torch.zeros(3)
-        self.extra = {"best": math.inf, "ids": (1, 2), 7: "seven"}
+        self.extra = {"best": math.inf, "ids": (1, 2), 7: "seven", "loader": b"\x80\x05\x95\x00 not utf-8 \xff"}
 
     def state_dict(self) -> dict:
         return {"seen": self.seen, "weights": self.weights, "extra": self.extra}
@@ -94,7 +95,7 @@ def test_save_load_latest_retention_and_exact_rng(url: str) -> None:
     for k, v in _model(40).items():
         assert_same(new_model[k], v, k)
     assert new_counter.seen == 30 and torch.equal(new_counter.weights, torch.full((3,), 30.0))
-    assert new_counter.extra == {"best": math.inf, "ids": (1, 2), 7: "seven"}
+    assert new_counter.extra == {"best": math.inf, "ids": (1, 2), 7: "seven", "loader": b"\x80\x05\x95\x00 not utf-8 \xff"}
 
     # An older step with the optimizer, into a fresh optimizer (state not created yet).
     model2 = torch.nn.Linear(4, 3)

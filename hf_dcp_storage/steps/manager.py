@@ -17,37 +17,31 @@ are broadcast, so every rank sees the same answer.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import json
 import logging
 import os
-import time
 import weakref
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 
 from ..io import fsio
 from ..io.direct import check_direct_io
 from ..io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
 from ..io.retry import RetryPolicy
-from ..reader import HFStorageReader
 from ..writer import HFStorageWriter
+from . import folder as step_folder
 from .background import ASYNC_MODES, BackgroundSaves
+from .control import Control
+from .folder import TRAINING_STATE_DIR
 from .retention import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from .runs import remove_step, step_status
-from .trainstate import capture_rng, join, restore_rng, split
 
 __all__ = ["CheckpointManager", "TRAINING_STATE_DIR"]
 
 logger = logging.getLogger(__name__)
-
-TRAINING_STATE_DIR = "training_state"
 
 
 class CheckpointManager:
@@ -105,7 +99,7 @@ class CheckpointManager:
         self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
         self._in_flight: tuple[int, Future[int]] | None = None
-        self._control_group: Any = None
+        self._control = Control()
         self.reuse_staging, self.async_mode = reuse_staging, async_mode
         self._background = BackgroundSaves(async_mode, reuse_staging)
         _OPEN.add(self)
@@ -124,10 +118,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._background.close()
-            group, self._control_group = self._control_group, None
-            if group is not None and group is not dist.group.WORLD and dist.is_available() and dist.is_initialized():
-                with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with its job
-                    dist.destroy_process_group(group)
+            self._control.close()
             _OPEN.discard(self)
 
     def __enter__(self) -> CheckpointManager:
@@ -170,38 +161,17 @@ class CheckpointManager:
                 is written.
             FileExistsError: the step is already complete and ``overwrite`` is off.
         """
-        name = step_name(step)
+        folder = fsio.join(self.root, step_name(step))
         self.wait()
-        # Everything that can be refused is checked before the first byte is written, and every
-        # rank learns what any rank refused: a rank raising alone would leave the others waiting
-        # in the next collective.
-        problem = None
-        try:
-            values = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in (training_state or {}).items()}
-            tensors, tree = split(values)
-        except TypeError as exc:
-            problem = str(exc)
-        reports = self._all_gather((step, problem))
-        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(reports) if p]
-        if problems:
-            raise TypeError("; ".join(problems))
-        if len({s for s, _ in reports}) > 1:
-            raise ValueError(f"ranks save different steps {[s for s, _ in reports]}; all ranks must save the same step")
-        payload = json.dumps({"values": tree, "rng": capture_rng()}, allow_nan=False).encode()
+        tensors, payload = step_folder.prepare(self._ctl(), step, training_state)
         refusal = self._broadcast(self._clear_step(step) if self._rank == 0 else None)
         if refusal:
             raise FileExistsError(refusal)
         self._barrier()  # the folder is clear before anyone writes into it
 
-        folder = fsio.join(self.root, name)
-        state_folder = fsio.join(folder, TRAINING_STATE_DIR)
-        if fsio.is_local(self.fs):
-            self.fs.makedirs(state_folder, exist_ok=True)
-        fsio.write_atomic(self.fs, fsio.join(state_folder, _rank_file(self._rank)), payload)
-        # Writers and readers take URLs: a bare path of a remote store would mean local disk.
+        step_folder.write_rank_state(self.fs, folder, self._rank, payload)
         options = {"max_shard_size": self.max_shard_size, "rank_timeout": self.rank_timeout, **self._io}
-        model_writer = HFStorageWriter(self._url(folder), **options)
-        state_writer = HFStorageWriter(self._url(state_folder), **options) if tensors else None
+        model_writer, state_writer = step_folder.writers(self.fs, folder, bool(tensors), options)
         if not async_save:
             dcp.save(dict(model_state_dict), storage_writer=model_writer)
             if state_writer is not None:
@@ -262,39 +232,10 @@ class CheckpointManager:
             step = steps[-1]
         elif step not in steps:
             raise FileNotFoundError(f"{self.url}: step {step} is not a complete checkpoint here; complete steps: {steps}")
-        folder = fsio.join(self.root, step_name(step))
-        reader_io = self._io
-        dcp.load(model_state_dict, storage_reader=HFStorageReader(self._url(folder), **reader_io))
-        if training_state is not None:
-            marker = json.loads(fsio.read_all(self.fs, fsio.join(folder, COMMIT_MARKER)))
-            state_folder = fsio.join(folder, TRAINING_STATE_DIR)
-            saved = json.loads(fsio.read_all(self.fs, fsio.join(state_folder, _rank_file(self._rank % marker["world_size"]))))
-            self._load_training_state(training_state, saved["values"], self._url(state_folder), reader_io)
-            restore_rng(saved["rng"])
+        # Readers take the writers' I/O settings (storage options, threads, retry, direct I/O).
+        step_folder.load(self.fs, fsio.join(self.root, step_name(step)), model_state_dict, training_state, rank=self._rank, reader_io=self._io)
         self._barrier()
         return step
-
-    def _load_training_state(self, training_state: MutableMapping[str, Any], tree: dict[str, Any], folder: str, reader_io: dict[str, Any]) -> None:
-        missing = [k for k in training_state if k not in tree]
-        if missing:
-            raise KeyError(f"training state {missing} is not in the checkpoint, which holds {sorted(tree)}")
-        current, _ = split({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in training_state.items()})
-        wanted = _tensor_keys({k: tree[k] for k in training_state})
-        dest: dict[str, torch.Tensor] = {}
-        if wanted:
-            reader = HFStorageReader(folder, **reader_io)
-            meta = reader.read_metadata().state_dict_metadata
-            for key in wanted:
-                # A destination this process does not have yet (e.g. optimizer state before the
-                # first step) is loaded whole, as a plain tensor.
-                dest[key] = current[key] if key in current else torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
-            dcp.load(dest, storage_reader=HFStorageReader(folder, **reader_io))
-        for key, obj in training_state.items():
-            value = join(tree[key], dest)
-            if isinstance(obj, Stateful):
-                obj.load_state_dict(value)
-            else:
-                training_state[key] = value
 
     # -- retention ------------------------------------------------------------------------------
 
@@ -317,63 +258,36 @@ class CheckpointManager:
 
     def _clear_step(self, step: int) -> str | None:
         """(rank 0) Make the step's folder empty, or say why not (a complete step, no overwrite)."""
-        status = self._list_steps().get(step)
-        folder = fsio.join(self.root, step_name(step))
-        if status and not self.overwrite:
-            return (
-                f"{fsio.url_of(self.fs, folder)} is already a complete checkpoint; pass "
-                f"CheckpointManager(..., overwrite=True) to replace it, or save another step"
-            )
-        if status is not None:
-            # The marker goes first (remove_step): from here on the step is incomplete, never
-            # half-replaced.
-            remove_step(self.fs, self.root, step)
-        return None
-
-    def _url(self, path: str) -> str:
-        return fsio.url_of(self.fs, path)
+        fix = "pass CheckpointManager(..., overwrite=True) to replace it, or save another step"
+        return step_folder.clear(self.fs, fsio.join(self.root, step_name(step)), overwrite=self.overwrite, fix=fix)
 
     def _commit(self, step: int) -> None:
-        marker = {"step": step, "world_size": self._world, "saved_at": time.time(), "format": 1}
-        fsio.write_atomic(self.fs, fsio.join(self.root, step_name(step), COMMIT_MARKER), json.dumps(marker).encode())
+        step_folder.commit(self.fs, fsio.join(self.root, step_name(step)), step, self._world)
 
     @property
     def _rank(self) -> int:
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return self._control.rank
 
     @property
     def _world(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return self._control.world
 
-    def _control(self) -> Any:
-        """(all ranks) The group the manager's own small collectives run on: the default group
-        when it can carry CPU tensors (gloo, ``cpu:gloo,cuda:nccl``), else a gloo group of the
-        same ranks, made once. Under plain NCCL an object collective would stage through
-        ``torch.cuda.current_device()``, which is GPU 0 on every rank that never called
-        ``torch.cuda.set_device``; a few hundred bytes of decisions need no GPU at all."""
-        if self._control_group is None:
+    def _ctl(self) -> Control:
+        """(all ranks) The manager's small collectives (``steps/control.py``). Registers the
+        manager for the exit hook first when their group is about to be made, so that it is
+        destroyed while the interpreter is whole."""
+        if not self._control.has_group:
             _OPEN.add(self)
-            backend = str(dist.get_backend())
-            self._control_group = dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
-        return self._control_group
+        return self._control
 
     def _broadcast(self, value: Any) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._control())
-        return box[0]
+        return self._ctl().broadcast(value)
 
     def _all_gather(self, value: Any) -> list[Any]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return [value]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value, group=self._control())
-        return out
+        return self._ctl().all_gather(value)
 
     def _barrier(self) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(group=self._control())
+        self._ctl().barrier()
 
 
 # Managers not yet closed, for the exit hook (weakly: a manager dropped by its owner is not kept).
@@ -388,16 +302,3 @@ def _close_open_managers() -> None:
         except BaseException as exc:  # noqa: BLE001 - at exit: report, and close the others
             logger.error("closing a CheckpointManager at exit failed: %s", exc)
 
-
-def _rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
-
-
-def _tensor_keys(tree: Any) -> list[str]:
-    if isinstance(tree, list):
-        return [k for v in tree for k in _tensor_keys(v)]
-    if not isinstance(tree, dict):
-        return []
-    if "__tensor__" in tree:
-        return [tree["__tensor__"]]
-    return [k for v in tree.values() for k in _tensor_keys(v)]

@@ -28,7 +28,7 @@ from ..io import fsio
 from ..io.parallel import parallel_map
 from .retention import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
 
-__all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step"]
+__all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step", "remove_folder"]
 
 # Commit-marker checks in flight at once (each is a request on an object store).
 _MARKER_CHECKS = 16
@@ -143,14 +143,19 @@ def step_status(fs: AbstractFileSystem, root: str, *, missing_ok: bool = False) 
 
 
 def remove_step(fs: AbstractFileSystem, root: str, step: int) -> None:
-    """Delete the folder of ``step`` under ``root`` (nothing if it does not exist).
+    """Delete the folder of ``step`` under ``root`` (nothing if it does not exist); see
+    ``remove_folder``."""
+    remove_folder(fs, fsio.join(root, step_name(step)))
+
+
+def remove_folder(fs: AbstractFileSystem, folder: str) -> None:
+    """Delete a checkpoint folder (nothing if it does not exist).
 
     The commit marker goes first, then the rest: a bulk delete (S3 deletes 1,000 keys per
-    request, in any order) interrupted half-way must leave an incomplete step, which nothing
+    request, in any order) interrupted half-way must leave an incomplete folder, which nothing
     loads and retention removes later, never a "complete" one with files missing. On S3 the
     unfinished multipart uploads under the folder (a killed save's) are aborted too.
     """
-    folder = fsio.join(root, step_name(step))
     fsio.remove(fs, fsio.join(folder, COMMIT_MARKER))
     if fsio.is_s3(fs):
         # Imported here: the listing and pruning tools start without torch, which stores import.

@@ -4,8 +4,10 @@
 LR scheduler or a dataloader, and plain values) into flat ``tensors`` — saved with DCP, so they
 reshard on load like the weights — and a JSON tree in which each tensor is a reference by key.
 ``join`` rebuilds the values from the tree and the loaded tensors. Values JSON cannot hold are
-refused before anything is written, naming their key. Tuples, dicts with non-string keys and
-non-finite floats survive the round trip through small tagged objects.
+refused before anything is written, naming their key. Tuples, dicts with non-string keys,
+non-finite floats and ``bytes`` survive the round trip through small tagged objects (``bytes``
+as base64: a dataloader's ``state_dict`` is often a pickle it made itself, e.g. torchtitan's
+``ParallelAwareDataloader``; it is stored and handed back as the same bytes, never unpickled here).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import torch
 
 __all__ = ["split", "join", "capture_rng", "restore_rng"]
 
-_TENSOR, _TUPLE, _ITEMS, _FLOAT = "__tensor__", "__tuple__", "__items__", "__float__"
-_TAGS = {_TENSOR, _TUPLE, _ITEMS, _FLOAT}
+_TENSOR, _TUPLE, _ITEMS, _FLOAT, _BYTES = "__tensor__", "__tuple__", "__items__", "__float__", "__bytes__"
+_TAGS = {_TENSOR, _TUPLE, _ITEMS, _FLOAT, _BYTES}
 
 
 def split(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -41,6 +43,8 @@ def split(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, 
             return value
         if isinstance(value, float):
             return value if math.isfinite(value) else {_FLOAT: repr(value)}
+        if isinstance(value, (bytes, bytearray)):
+            return {_BYTES: base64.b64encode(value).decode("ascii")}
         if isinstance(value, tuple):
             return {_TUPLE: [encode(v, f"{key}.{i}") for i, v in enumerate(value)]}
         if isinstance(value, list):
@@ -52,7 +56,7 @@ def split(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, 
                 return {_ITEMS: [[k, encode(v, f"{key}.{k}")] for k, v in value.items()]}
         raise TypeError(
             f"training state {key!r} is a {type(value).__name__}, which is saved neither as a tensor nor as "
-            f"JSON (None, bool, int, float, str, list, tuple, dict); convert it in state_dict() (e.g. to a "
+            f"JSON (None, bool, int, float, str, bytes, list, tuple, dict); convert it in state_dict() (e.g. to a "
             f"list or a tensor)"
         )
 
@@ -74,6 +78,8 @@ def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return {k: join(v, tensors) for k, v in tree[_ITEMS]}
     if _FLOAT in tree:
         return float(tree[_FLOAT])
+    if _BYTES in tree:
+        return base64.b64decode(tree[_BYTES])
     return {k: join(v, tensors) for k, v in tree.items()}
 
 

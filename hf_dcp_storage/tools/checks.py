@@ -26,7 +26,7 @@ from ..format.index import (
 from ..io import fsio
 from ..io.files import Folder, read_header, read_index
 from ..io.parallel import parallel_map
-from ..steps.manager import TRAINING_STATE_DIR, _rank_file
+from ..steps.folder import TRAINING_STATE_DIR, rank_file
 from ..steps.retention import COMMIT_MARKER
 from ..writer import STAGING_DIR
 from .crcpass import FileJob, Tensor
@@ -386,7 +386,7 @@ class Verification:
             self.problem(COMMIT_MARKER, None, f"{COMMIT_MARKER}: \"world_size\" is {world!r}, not a rank count; CheckpointManager cannot load this step's training state")
             return
         for rank in range(world):
-            name = f"{TRAINING_STATE_DIR}/{_rank_file(rank)}"
+            name = f"{TRAINING_STATE_DIR}/{rank_file(rank)}"
             if name not in folder.files:
                 self.problem(name, None, f"{name}: missing: the step was saved by {world} ranks, and loading restores rank {rank}'s training state and RNG from it")
 

@@ -33,7 +33,7 @@ from ..io.parallel import parallel_map
 from ..io.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
 from ..io.retry import RetryPolicy
 from ..plan.layout import element_size, layout_from_files
-from ..steps.manager import TRAINING_STATE_DIR
+from ..steps.folder import TRAINING_STATE_DIR
 from ..steps.retention import COMMIT_MARKER, parse_step
 from ..stores import ranges_for
 from ..writer import STAGING_DIR
