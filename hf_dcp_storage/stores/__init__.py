@@ -1,5 +1,6 @@
-"""One module per destination kind, behind one small interface (``base.py``): local disk, S3,
-and any other fsspec store; ``open_store`` picks the kind a path gets, ``ranges_for`` how loads read it."""
+"""One module per destination kind, behind one small interface (``base.py``): local disk, S3, GCS,
+Azure Blob, and any other fsspec store; ``open_store`` picks the kind a path gets, ``ranges_for``
+how loads read it."""
 
 from __future__ import annotations
 
@@ -7,19 +8,22 @@ from fsspec import AbstractFileSystem
 
 from ..io import fsio
 from ..io.retry import RetryPolicy
+from .azure import AzureRanges, AzureStore
 from .base import Ranges, Store
+from .gcs import GcsRanges, GcsStore
 from .local import LocalStore
 from .s3 import S3Ranges, S3Store
 from .staged import StagedStore
 
 __all__ = ["open_store", "store_for_mode", "ranges_for"]
 
-_BY_MODE: dict[str, type[Store]] = {cls.mode: cls for cls in (LocalStore, StagedStore, S3Store)}
+_BY_MODE: dict[str, type[Store]] = {cls.mode: cls for cls in (LocalStore, StagedStore, S3Store, GcsStore, AzureStore)}
 
 
 def open_store(fs: AbstractFileSystem, root: str, *, direct_write: bool | None, retry: RetryPolicy, threads: int, where: str | None = None) -> Store:
     """The store a save to ``root`` writes through (the same answer on every rank): S3's
-    multipart uploads on s3fs; positioned writes on local disk unless ``direct_write=False``;
+    multipart uploads on s3fs, composed part objects on gcsfs, committed blocks on adlfs's
+    Azure Blob filesystem; positioned writes on local disk unless ``direct_write=False``;
     staged objects merged per file anywhere else. ``where``: the path as the user gave it, for
     messages.
 
@@ -33,6 +37,10 @@ def open_store(fs: AbstractFileSystem, root: str, *, direct_write: bool | None, 
         )
     if fsio.is_s3(fs):
         kind: type[Store] = S3Store
+    elif fsio.is_gcs(fs):
+        kind = GcsStore
+    elif fsio.is_azure(fs):
+        kind = AzureStore
     elif fsio.is_local(fs) and direct_write is not False:
         kind = LocalStore
     else:
@@ -47,4 +55,10 @@ def store_for_mode(mode: str, fs: AbstractFileSystem, root: str, *, retry: Retry
 
 def ranges_for(fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
     """How loads read byte ranges of ``fs``'s objects."""
-    return S3Ranges(fs, retry) if fsio.is_s3(fs) else Ranges(fs, retry)
+    if fsio.is_s3(fs):
+        return S3Ranges(fs, retry)
+    if fsio.is_gcs(fs):
+        return GcsRanges(fs, retry)
+    if fsio.is_azure(fs):
+        return AzureRanges(fs, retry)
+    return Ranges(fs, retry)
