@@ -44,15 +44,15 @@ class GCS(PartsClient):
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs, self.retry = fs, retry
-        # gcsfs's request without its retry decorator: this library's policy is the only one.
-        self._request = type(fs)._request.__wrapped__  # type: ignore[attr-defined]
 
     def url(self, path: str) -> str:
         return f"gs://{path}"
 
     async def _once(self, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any, bytes]:
+        # gcsfs's request without its retry decorator: this library's policy is the only one.
+        request = type(self.fs)._request.__wrapped__  # type: ignore[attr-defined]
         try:
-            status, headers, _, contents = await self._request(self.fs, method, path, *args, **kwargs)
+            status, headers, _, contents = await request(self.fs, method, path, *args, **kwargs)
         except OSError as exc:
             # gcsfs turns a 403 into a bare OSError("Forbidden: ..."), a 412 into FileExistsError.
             if type(exc) is OSError and str(exc).startswith("Forbidden"):
