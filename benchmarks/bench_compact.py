@@ -117,8 +117,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     written = placed.bytes_per_rank(mesh.size) if placed is not None else dedup.bytes_per_rank
     g = dedup = None  # type: ignore[assignment]
     store = store_for_mode(mode, writer.fs, writer.root, retry=writer.retry, threads=writer.thread_count)
-    tasks = timed("tasks", lambda: store.plan(layout, placed, mesh.size))
-    s3_parts = store.parts if mode == "s3" else None
+    tasks = timed("tasks", lambda: _plan_tasks(store, layout, placed, mesh.size, mode))
+    s3_parts = store.parts if mode in ("s3", "gcs", "azure") else None
     uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1} if s3_parts is not None else {}
     if mode == "s3":
         store.uploads = uploads
@@ -171,6 +171,17 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     out["unpack_ms"] = (time.perf_counter() - s) * 1e3
     assert zlib.decompress(keep_local.table)  # the table the last rank sent decodes
     return out
+
+
+def _plan_tasks(store: Any, layout: Any, placed: Any, world: int, mode: str) -> Any:
+    """The store's plan; on GCS also every file's compose tree (what its coordinator plans at the commit)."""
+    tasks = store.plan(layout, placed, world)
+    if mode == "gcs":
+        from hf_dcp_storage.plan.gcsplan import compose_tree, part_name
+
+        for plan, parts in zip(layout.files, store.parts, strict=True):
+            compose_tree(plan.name, plan.name, [part_name("s", plan.name, p.number) for p in parts], "s")
+    return tasks
 
 
 def finishing_work(layout: Any, placed: Any, s3_parts: Any, tasks: Any, world: int) -> dict[str, Any]:
@@ -258,7 +269,7 @@ def main() -> None:
     ap.add_argument("--cases", default="8B:1024,70B:1024,405B:1024,405B:8192", help="MODEL:RANKS,...")
     ap.add_argument("--tp", default="1,8")
     ap.add_argument("--max-shard-size", default="5GB")
-    ap.add_argument("--mode", default="direct", help="direct (local disk), staged (stores without positioned writes), s3; comma-separated")
+    ap.add_argument("--mode", default="direct", help="direct (local disk), staged (stores without positioned writes), s3, gcs, azure; comma-separated")
     ap.add_argument("--md-out")
     ap.add_argument("--json-out")
     ap.add_argument("--from-json", nargs="+", help="only print the tables of earlier --json-out files")

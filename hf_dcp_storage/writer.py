@@ -315,6 +315,7 @@ class HFStorageWriter(StorageWriter):
             if meet is not None:
                 meet.stop()
         if failed:
+            self.store.abort(rank_plan)  # type: ignore[union-attr]  # every rank is past its writes: clean up after them
             shown = failed if len(failed) <= 16 else [*failed[:16], "..."]
             raise RuntimeError(
                 f"ranks {shown} of {rank_plan.world} failed to write their bytes (their errors tell why), so "

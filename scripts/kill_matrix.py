@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """The full kill matrix: every moment of a save x whole job / one rank x every store, plus bare saves.
 
-    .venv/bin/python scripts/kill_matrix.py [--stores local,moto,radosgw] [--md-out FILE]
+    .venv/bin/python scripts/kill_matrix.py [--stores local,moto,radosgw,gcs,azure] [--md-out FILE]
 
 For each store it runs ``tests/_killchain.kill_chain`` twice (the whole job SIGKILLed at each
 moment, then one rank alone at each moment; 2 gloo ranks on CPU) and ``bare_kill`` at every
 moment a bare ``HFStorageWriter`` save has (killed, ``hf-dcp consolidate``, saved again). Every
 check is the suite's (``tests/test_kill.py`` runs a subset); this prints one row per kill and a
 summary table, in markdown. moto runs in this process on 127.0.0.1; radosgw is started by
-``scripts/radosgw.sh`` where Ceph is installed (``scripts/install_radosgw.sh``), else skipped.
+``scripts/radosgw.sh`` where Ceph is installed (``scripts/install_radosgw.sh``), else skipped;
+gcs and azure are fake-gcs-server and Azurite on 127.0.0.1 (``tests/_objectservers.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def _store(name: str, scratch: str) -> Iterator[tuple[str, dict | None] | None]:
     if name == "local":
         yield os.path.join(scratch, "local"), None
         return
+    if name in ("gcs", "azure"):
+        yield from _gcs_azure(name)
+        return
     os.environ.update(_AWS)
     import s3fs
 
@@ -67,6 +71,27 @@ def _store(name: str, scratch: str) -> Iterator[tuple[str, dict | None] | None]:
     s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(bucket)
     try:
         yield f"s3://{bucket}", options
+    finally:
+        stop()
+
+
+def _gcs_azure(name: str) -> Iterator[tuple[str, dict] | None]:
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    import _objectservers
+    from conftest import azure_options, gcs_options
+
+    reason = _objectservers.gcs_unavailable() if name == "gcs" else _objectservers.azurite_unavailable()
+    if reason is not None:
+        print(f"{name} skipped: {reason}", file=sys.stderr)
+        yield None
+        return
+    endpoint, stop = _objectservers.start_fake_gcs() if name == "gcs" else _objectservers.start_azurite()
+    options = gcs_options(endpoint) if name == "gcs" else azure_options(endpoint)
+    place = f"kill-{uuid.uuid4().hex[:12]}"
+    fs, _ = __import__("hf_dcp_storage.io.fsio", fromlist=["resolve"]).resolve(("gs://" if name == "gcs" else "az://") + place, {**options, "skip_instance_cache": True})
+    fs.mkdir(place)
+    try:
+        yield ("gs://" if name == "gcs" else "az://") + place, options
     finally:
         stop()
 

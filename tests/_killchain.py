@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from _jobs import RankEnd, run_job
-from _killpoints import S3_ONLY, STAGED_ONLY, arm
+from _killpoints import ASSEMBLED_URLS, S3_ONLY, STAGED_ONLY, arm
 
 __all__ = ["KillOutcome", "kill_chain", "bare_kill", "moments_for", "model_state", "training_state"]
 
@@ -67,8 +67,8 @@ def moments_for(url: str, moments: tuple[str, ...]) -> tuple[str, ...]:
     """The moments a save to ``url`` reaches (local disk writes in place: nothing to gather or
     complete)."""
     local = "://" not in url or url.startswith("file://")
-    s3 = url.startswith("s3://")
-    return tuple(m for m in moments if not ((local and m in STAGED_ONLY) or (not s3 and m in S3_ONLY)))
+    assembled = url.startswith(ASSEMBLED_URLS)
+    return tuple(m for m in moments if not ((local and m in STAGED_ONLY) or (not assembled and m in S3_ONLY)))
 
 
 # -- what every step holds ---------------------------------------------------------------------------
@@ -184,13 +184,48 @@ def _tree(url: str, options: dict | None) -> dict[str, str]:
 
 
 def open_uploads(url: str, options: dict | None) -> list[str]:
-    """Keys of unfinished multipart uploads under ``url`` (S3), else empty."""
+    """Keys of unfinished multipart uploads under ``url`` (S3), blobs with uncommitted blocks
+    (Azure), else empty. Azurite lists no blob that has only uncommitted blocks, so on Azure
+    every name a save of these state dicts can give its files (``model-0000k-of-0000N``, N <= 4,
+    in the folder, its steps and their training state) is asked too."""
+    from hf_dcp_storage.io import fsio as _fsio
     from hf_dcp_storage.io.retry import RetryPolicy
     from hf_dcp_storage.stores.s3_requests import s3_for
 
     fs, root = _fresh(url, options)
+    if _fsio.is_azure(fs):
+        return _uncommitted_blocks(fs, root)
     s3 = s3_for(fs, RetryPolicy())
     return [] if s3 is None else sorted(k for k, _ in s3.list_uploads(root.rstrip("/") + "/"))
+
+
+def _uncommitted_blocks(fs: Any, root: str) -> list[str]:
+    from fsspec.asyn import sync
+
+    from hf_dcp_storage.io import fsio as _fsio
+    from hf_dcp_storage.stores.azure_requests import Azure
+    from hf_dcp_storage.io.retry import RetryPolicy
+
+    folders = {root} | {f"{root}/{p.split('/', 1)[0]}" for p in _fsio.list_tree(fs, root) if p.startswith("step_")} | {f"{root}/step_{s}" for s in range(1, 40)}
+    folders |= {f"{f}/training_state" for f in folders}
+    names = [f"{f}/model-{k:05d}-of-{n:05d}.safetensors" for f in sorted(folders) for n in range(1, 5) for k in range(1, n + 1)]
+    azure = Azure(fs, RetryPolicy())
+
+    async def count(path: str) -> int:
+        container, _, blob = path.partition("/")
+        async with fs.service_client.get_blob_client(container, blob) as bc:
+            try:
+                return len((await bc.get_block_list("uncommitted"))[1])
+            except Exception:  # noqa: BLE001 - no such blob: nothing uncommitted
+                return 0
+
+    async def every() -> list[int]:
+        import asyncio
+
+        return list(await asyncio.gather(*(count(n) for n in names)))
+
+    found = sorted(set(azure.uncommitted(root.rstrip("/") + "/")) | {n for n, c in zip(names, sync(fs.loop, every), strict=True) if c})
+    return [n[len(root) + 1 :] for n in found]
 
 
 # -- the chain -----------------------------------------------------------------------------------------
@@ -362,7 +397,10 @@ def _bare_problems(url: str, options: dict | None, when: str) -> list[str]:
     problems = []
     want = model_state(0)
     dest = {k: torch.zeros_like(v) for k, v in want.items()}
-    dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options, verify=True), no_dist=True)
+    try:
+        dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options, verify=True), no_dist=True)
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException: a problem to report, not a crash of the matrix
+        return [f"{when}: the load failed: {str(exc).splitlines()[-1][:300]}"]
     bad = [k for k in want if not torch.equal(dest[k], want[k])]
     if bad:
         problems.append(f"{when}: loaded wrong {bad}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from _jobs import kill_job, kill_self
 
-__all__ = ["MOMENTS", "BARE_MOMENTS", "STAGED_ONLY", "S3_ONLY", "arm"]
+__all__ = ["MOMENTS", "BARE_MOMENTS", "STAGED_ONLY", "S3_ONLY", "ASSEMBLED_URLS", "arm"]
 
 MOMENTS = (
     "planning",  # the coordinator plans the weights' save; nothing written yet
@@ -27,7 +27,7 @@ MOMENTS = (
     "early-write",  # a rank has written its first slab of weights
     "late-write",  # a rank's weights are all written, its record not yet
     "finishing",  # a rank gathers or merges staged bytes (object stores only)
-    "completing",  # S3: the coordinator has completed the first file's multipart upload, not the rest
+    "completing",  # S3, GCS, Azure: the coordinator has assembled the first file (completed its upload, composed it, committed its blocks), not the rest
     "before-index",  # the coordinator is about to write the weights' index
     "index-written",  # the weights are committed (index), their staging folder not yet removed
     "training-state",  # the training state's bytes are written, its record not yet
@@ -36,9 +36,10 @@ MOMENTS = (
 )
 BARE_MOMENTS = MOMENTS[:8]
 # Moments that only a save with staged bytes reaches (stores without positioned writes), and
-# those only a save to S3 reaches.
+# those only a save whose server assembles the files reaches (S3, GCS, Azure).
 STAGED_ONLY = frozenset({"finishing"})
 S3_ONLY = frozenset({"completing"})
+ASSEMBLED_URLS = ("s3://", "gs://", "az://")
 
 
 def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
@@ -105,6 +106,8 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
         before(W, "_finish_tasks", lambda w, plan: weights(w))
     elif moment == "completing":
         import hf_dcp_storage.stores.s3 as s3_store
+        from hf_dcp_storage.stores.azure import AzureStore
+        from hf_dcp_storage.stores.gcs import GcsStore
 
         complete_file = s3_store.complete_file
 
@@ -114,6 +117,15 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
                 die()
 
         s3_store.complete_file = first_file_then_die
+        for store in (GcsStore, AzureStore):  # their coordinator assembles each file with _assemble
+            assemble = store._assemble
+
+            def first_assembled_then_die(self: Any, f: int, layout: Any, entries: Any, assemble: Any = assemble) -> None:
+                assemble(self, f, layout, entries)
+                if "training_state" not in self.root and first_one():
+                    die()
+
+            store._assemble = first_assembled_then_die
     elif moment == "before-index":
         before(writer, "combine_checksums", lambda layout, results, tables: not any(k.startswith("state.") for k in layout.specs))
     elif moment == "index-written":

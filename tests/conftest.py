@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -167,3 +168,87 @@ def fresh_bucket(endpoint: str) -> Iterator[tuple[str, dict]]:
         # Frees moto's memory; also drops whatever a test left in fsspec's instance cache.
         fs.rm(bucket, recursive=True)
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+# -- GCS (fake-gcs-server) and Azure Blob (Azurite) on loopback ------------------------------------
+
+# gcsfs reads this when it is imported: without it, every open is a slow gRPC probe for zonal
+# buckets (44 s seen). Set here, before any test imports gcsfs; spawned ranks inherit it.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def gcs_options(endpoint: str) -> dict:
+    """What a user passes for a GCS endpoint: ``token="anon"`` (otherwise gcsfs probes a cloud
+    metadata address for credentials) and the endpoint; fsspec's caches on."""
+    return {"token": "anon", "project": "hf-dcp-test", "endpoint_url": endpoint}
+
+
+def azure_options(blob_endpoint: str) -> dict:
+    """What a user passes for Azurite: its well-known development account's connection string."""
+    import _objectservers
+
+    return {"connection_string": _objectservers.azurite_connection_string(blob_endpoint)}
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of fake-gcs-server (in-memory), started once per session;
+    skipped with the reason where it is not installed."""
+    import _objectservers
+
+    reason = _objectservers.gcs_unavailable()
+    if reason is not None:
+        pytest.skip(f"GCS: {reason}")
+    endpoint, stop = _objectservers.start_fake_gcs()
+    try:
+        yield endpoint
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="session")
+def azure_endpoint() -> Iterator[str]:
+    """The blob endpoint of Azurite (data in a temporary folder), started once per session;
+    skipped with the reason where Node.js or Azurite is not installed."""
+    import _objectservers
+
+    reason = _objectservers.azurite_unavailable()
+    if reason is not None:
+        pytest.skip(f"Azure: {reason}")
+    endpoint, stop = _objectservers.start_azurite()
+    try:
+        yield endpoint
+    finally:
+        stop()
+
+
+@pytest.fixture
+def gcs(gcs_endpoint: str) -> Iterator[tuple[str, dict]]:
+    """``("gs://<fresh bucket>", storage_options)``: an empty bucket per test."""
+    import gcsfs
+
+    options = gcs_options(gcs_endpoint)
+    bucket = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
+    fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
+    fs.mkdir(bucket)
+    try:
+        yield f"gs://{bucket}", options
+    finally:
+        fs.rm(bucket, recursive=True)
+        gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def azure(azure_endpoint: str) -> Iterator[tuple[str, dict]]:
+    """``("az://<fresh container>", storage_options)``: an empty container per test."""
+    import adlfs
+
+    options = azure_options(azure_endpoint)
+    container = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
+    fs = adlfs.AzureBlobFileSystem(skip_instance_cache=True, **options)
+    fs.mkdir(container)
+    try:
+        yield f"az://{container}", options
+    finally:
+        fs.rm(container, recursive=True)
+        adlfs.AzureBlobFileSystem.clear_instance_cache()

@@ -31,6 +31,8 @@ __all__ = [
     "join",
     "is_local",
     "is_s3",
+    "is_gcs",
+    "is_azure",
     "url_of",
     "forget",
     "read_range",
@@ -75,6 +77,16 @@ def is_local(fs: AbstractFileSystem) -> bool:
 def is_s3(fs: AbstractFileSystem) -> bool:
     """Whether ``fs`` is s3fs (S3 or an S3-compatible endpoint), told without importing it."""
     return type(fs).__module__.split(".")[0] == "s3fs"
+
+
+def is_gcs(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is gcsfs (Google Cloud Storage), told without importing it."""
+    return type(fs).__module__.split(".")[0] == "gcsfs"
+
+
+def is_azure(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is adlfs's Azure Blob filesystem (``az://``, ``abfs://``), told without importing it."""
+    return type(fs).__module__.split(".")[0] == "adlfs" and type(fs).__name__ == "AzureBlobFileSystem"
 
 
 def url_of(fs: AbstractFileSystem, path: str) -> str:

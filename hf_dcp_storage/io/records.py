@@ -3,14 +3,15 @@
 While a save is under way its folder holds, under ``.hf_dcp_staging/``:
 
 * ``save.json``: written by the coordinator after planning, before any rank writes: the save's
-  id, how the bytes travel (``direct`` positioned writes, ``staged`` objects, or ``s3`` multipart
-  uploads), the world size, every output file's name and encoded header, and on S3 the ids of
+  id, how the bytes travel (``direct`` positioned writes, ``staged`` objects, ``s3`` multipart
+  uploads, ``gcs`` composed part objects, ``azure`` committed blocks), the world size, every output file's name and encoded header, and on S3 the ids of
   the multipart uploads;
 * ``rank{r:05d}.json``: written by rank ``r`` once every byte it owes is durable (or uploaded):
   what it wrote, item by item (key, chunk, where its staged bytes sit, its CRC32 share, S3
   part ETags).
-* ``complete.json`` (S3): written by the coordinator just before it completes the multipart
-  uploads: every file's parts and their ETags, so that a save that died while completing can
+* ``complete.json`` (S3, GCS, Azure): written by the coordinator just before it has the server
+  assemble the files: every file's parts and their ETags (GCS: generations, Azure: block ids),
+  so that a save that died while completing gathers nothing again when finished, and (S3) can
   tell a file it completed (the object's ETag is the one those parts make) from one whose
   upload was lost.
 
@@ -47,7 +48,7 @@ __all__ = [
 FORMAT = 1
 SAVE_RECORD = "save.json"
 COMPLETION_RECORD = "complete.json"
-MODES = ("direct", "staged", "s3")
+MODES = ("direct", "staged", "s3", "gcs", "azure")
 
 
 def rank_record_name(rank: int) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["RetryPolicy", "is_transient", "RemoteOperationError"]
+__all__ = ["RetryPolicy", "is_transient", "RemoteOperationError", "StoreError"]
 
 T = TypeVar("T")
 
@@ -36,12 +36,28 @@ _TRANSIENT_CLASS_NAMES = frozenset(
      "ClientConnectionError", "ClientOSError", "ServerTimeoutError", "ContentLengthError",
      "TransferEncodingError", "HTTPClientError", "ProxyConnectionError", "IncompleteRead",
      "FSTimeoutError", "ResponseParserError", "ChecksumError", "FlexibleChecksumError",
-     "AWSChunkedDecodingError"}
+     "AWSChunkedDecodingError", "ProxyError", "ServiceRequestError", "ServiceResponseError",
+     "IncompleteReadError", "ServiceRequestTimeoutError", "ServiceResponseTimeoutError"}
 )
+# HTTP statuses that mean "try again later" where a store's error carries only its status
+# (GCS, Azure): server errors, request timeout, too many requests.
+_TRANSIENT_STATUSES = frozenset({408, 429})
+# Azure error codes of permanent failures that name what is missing or refused.
+_MISSING_CODES = frozenset({"NoSuchBucket", "NoSuchKey", "NoSuchUpload", "404", "NotFound", "BlobNotFound", "ContainerNotFound", "ResourceNotFound"})
+_DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "AuthorizationFailure", "AuthenticationFailed", "AuthorizationPermissionMismatch"})
 
 
 class RemoteOperationError(OSError):
     """A remote operation that failed for good: permanently, or after every allowed retry."""
+
+
+class StoreError(Exception):
+    """A store's error answer that carries only an HTTP status (GCS through gcsfs's session):
+    transient for 5xx, 408 and 429, permanent otherwise."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -63,6 +79,11 @@ def is_transient(exc: BaseException) -> bool:
         return code in _TRANSIENT_CODES or status >= 500
     if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
         return False
+    status = _status(exc)
+    if status is not None:  # a store's HTTP error answer (GCS, Azure)
+        if status == 501:
+            return False
+        return status >= 500 or status in _TRANSIENT_STATUSES
     cause = exc.__cause__
     if type(exc) is OSError and cause is not None and cause is not exc:
         return is_transient(cause)
@@ -152,10 +173,10 @@ class RetryPolicy:
 
 def _permanent(exc: Exception, operation: str, url: str) -> OSError:
     message = f"{operation} {url} failed: {_describe(exc)} (not retried: the error is permanent)"
-    code = _code(exc)
-    if isinstance(exc, FileNotFoundError) or code in {"NoSuchBucket", "NoSuchKey", "NoSuchUpload", "404", "NotFound"}:
+    code, status = _code(exc), _status(exc)
+    if isinstance(exc, FileNotFoundError) or code in _MISSING_CODES or status == 404:
         return FileNotFoundError(message)
-    if isinstance(exc, PermissionError) or code in {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}:
+    if isinstance(exc, PermissionError) or code in _DENIED_CODES or status in (401, 403):
         return PermissionError(message)
     return RemoteOperationError(message)
 
@@ -164,7 +185,15 @@ def _code(exc: BaseException) -> str:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
-    return ""
+    code = getattr(exc, "error_code", None)  # azure.core's HttpResponseError
+    return str(getattr(code, "value", code) or "")
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status of a GCS or Azure error answer (``StoreError.status``, azure.core's
+    ``HttpResponseError.status_code``), or ``None``: not such an answer."""
+    status = exc.status if isinstance(exc, StoreError) else getattr(exc, "status_code", None)
+    return status if isinstance(status, int) and not isinstance(status, bool) else None
 
 
 def _describe(exc: BaseException) -> str:

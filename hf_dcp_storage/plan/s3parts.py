@@ -29,6 +29,8 @@ __all__ = [
     "MAX_PARTS",
     "RANK_PART_BYTES",
     "GATHER_PART_BYTES",
+    "PartRules",
+    "S3_RULES",
     "gather_part_bytes",
     "RankPart",
     "GatherPart",
@@ -49,14 +51,30 @@ RANK_PART_BYTES = 16 << 20
 GATHER_PART_BYTES = 16 << 20
 
 
-def gather_part_bytes(total: int, world: int) -> int:
+@dataclass(frozen=True)
+class PartRules:
+    """What a store's server-side assembly allows: every part but the last holds at least
+    ``min_part`` bytes, a file has at most ``max_parts`` parts; ``rank_part``: the size of the parts a
+    rank cuts its long runs into. S3's multipart rules (``S3_RULES``); GCS (compose) and Azure
+    (block lists) have no minimum, so their ranks send shorter runs of their own (``plan/gcsplan.py``,
+    ``plan/azureplan.py``)."""
+
+    min_part: int = MIN_PART_BYTES
+    max_parts: int = MAX_PARTS
+    rank_part: int = RANK_PART_BYTES
+
+
+S3_RULES = PartRules()
+
+
+def gather_part_bytes(total: int, world: int, min_part: int = MIN_PART_BYTES) -> int:
     """Size of a save's gathered parts: small enough that the work spreads evenly, as large as
     that allows (fewer tasks, fewer requests). Ranks' loads end within one task of each other
     (``plan/spread.assign``) and a task counts twice its size, so with every byte gathered the busiest
     rank moves at most ``1 + 2 * part / (3 * share)`` times the mean (``share``: a rank's own
     bytes, ``total / world``); a part of 3/40 of the share keeps that under 1.05. Between S3's
-    5 MiB minimum and ``GATHER_PART_BYTES``."""
-    return int(min(GATHER_PART_BYTES, max(MIN_PART_BYTES, 3 * total // (40 * max(1, world)))))
+    5 MiB minimum (a store's ``min_part``, where it has a smaller one) and ``GATHER_PART_BYTES``."""
+    return int(min(GATHER_PART_BYTES, max(MIN_PART_BYTES, min_part, 3 * total // (40 * max(1, world)))))
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,7 @@ def plan_file_parts(
     min_part: int = MIN_PART_BYTES,
     rank_part: int = RANK_PART_BYTES,
     gather_part: int = GATHER_PART_BYTES,
+    max_parts: int = MAX_PARTS,
 ) -> list[RankPart | GatherPart]:
     """Cut a file of ``size`` bytes into multipart parts: ranks' own parts wherever a run allows.
 
@@ -117,7 +136,8 @@ def plan_file_parts(
     file of a million small runs costs little.
 
     Raises:
-        ValueError: the runs do not tile the file, or the file needs more than 10,000 parts.
+        ValueError: the runs do not tile the file, or the file needs more than ``max_parts`` parts
+            (S3: 10,000).
     """
     ends = run_starts + run_bytes
     if len(run_starts) and (run_starts[0] != header_len or (run_starts[1:] != ends[:-1]).any() or ends[-1] != size):
@@ -125,8 +145,8 @@ def plan_file_parts(
     if not len(run_starts) and size != header_len:
         raise ValueError(f"no byte runs for the {size - header_len} data bytes of the file")
     # Both part sizes grow for a huge file so that each kind stays under half the part limit.
-    rank_part = max(rank_part, 2 * min_part, -(-size // (MAX_PARTS // 2)))
-    gather_target = max(min_part, gather_part, -(-size // (MAX_PARTS // 2)))
+    rank_part = max(rank_part, 2 * min_part, -(-size // (max_parts // 2)))
+    gather_target = max(min_part, gather_part, -(-size // (max_parts // 2)))
     segments: list[tuple[np.ndarray, int, bool]] = []  # (edges, rank or -1 gathered, header in front)
 
     def gather(a: int, b: int) -> None:
@@ -156,8 +176,8 @@ def plan_file_parts(
         return []
     start = np.concatenate([e[:-1] for e, _, _ in segments])
     end = np.concatenate([e[1:] for e, _, _ in segments])
-    if len(start) > MAX_PARTS:
-        raise ValueError(f"the file needs {len(start)} multipart parts, over S3's limit of {MAX_PARTS}; lower max_shard_size")
+    if len(start) > max_parts:
+        raise ValueError(f"the file needs {len(start)} parts, over the store's limit of {max_parts}; lower max_shard_size")
     rank = np.concatenate([np.full(len(e) - 1, r, dtype=np.int64) for e, r, _ in segments])
     header = np.zeros(len(start), dtype=bool)
     header[np.cumsum([0] + [len(e) - 1 for e, _, _ in segments[:-1]])] = [h for _, _, h in segments]

@@ -24,7 +24,7 @@ import numpy as np
 
 from .layout import Layout
 from .placed import PlacedChunks, key_strides, stable_order
-from .s3parts import GatherPart, RankPart, gather_part_bytes, plan_file_parts
+from .s3parts import S3_RULES, GatherPart, PartRules, RankPart, gather_part_bytes, plan_file_parts
 from .spread import GatherTasks, assign, file_tensors
 
 __all__ = ["S3Plan", "S3RankPlan", "plan_s3", "s3_rank_plans"]
@@ -67,12 +67,13 @@ def s3_rank_plans(layout: Layout, parts: Sequence[Sequence[RankPart | GatherPart
     return out
 
 
-def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
+def plan_s3(placed: PlacedChunks, layout: Layout, world: int, rules: PartRules = S3_RULES) -> S3Plan:
     """(coordinator) Plan an S3 save's parts and gathering tasks, spread over ``world`` ranks by
     bytes (``plan/spread.assign``, counting the bytes each rank uploads of its own). Pure.
+    ``rules``: the store's part rules (GCS and Azure plan their parts here too, with theirs).
 
     Raises:
-        ValueError: a file needs more than S3's 10,000 parts.
+        ValueError: a file needs more than ``rules.max_parts`` parts (S3's 10,000).
     """
     strided = _strided(placed)
     file_base = np.concatenate(([0], np.cumsum([f.size for f in layout.files], dtype=np.int64)))
@@ -93,11 +94,11 @@ def plan_s3(placed: PlacedChunks, layout: Layout, world: int) -> S3Plan:
     runs.nbytes[mixed], runs.rank[mixed] = key_bytes[-1 - chunk[mixed]], -1
     del chunk, mixed
     bounds = np.searchsorted(runs.start, file_base)
-    gather_part = gather_part_bytes(int(placed.nbytes.sum()), world)
+    gather_part = gather_part_bytes(int(placed.nbytes.sum()), world, rules.min_part)
     parts = []
     for f, plan in enumerate(layout.files):
         a, b = bounds[f], bounds[f + 1]
-        parts.append(plan_file_parts(len(plan.header), plan.size, *_joined(runs.start[a:b] - file_base[f], runs.nbytes[a:b], runs.rank[a:b]), gather_part=gather_part))
+        parts.append(plan_file_parts(len(plan.header), plan.size, *_joined(runs.start[a:b] - file_base[f], runs.nbytes[a:b], runs.rank[a:b]), min_part=rules.min_part, rank_part=rules.rank_part, gather_part=gather_part, max_parts=rules.max_parts))
     return S3Plan(parts, _gather_tasks(placed, layout, parts, strided, runs, position, file_base, world))
 
 

@@ -154,14 +154,20 @@ def remove_folder(fs: AbstractFileSystem, folder: str) -> None:
     The commit marker goes first, then the rest: a bulk delete (S3 deletes 1,000 keys per
     request, in any order) interrupted half-way must leave an incomplete folder, which nothing
     loads and retention removes later, never a "complete" one with files missing. On S3 the
-    unfinished multipart uploads under the folder (a killed save's) are aborted too.
+    unfinished multipart uploads under the folder (a killed save's) are aborted too, on Azure its
+    uncommitted blocks dropped (on GCS a killed save's parts are objects in the folder: they go
+    with it).
     """
     fsio.remove(fs, fsio.join(folder, COMMIT_MARKER))
+    # Imported here: the listing and pruning tools start without torch, which stores import.
     if fsio.is_s3(fs):
-        # Imported here: the listing and pruning tools start without torch, which stores import.
         from ..stores.s3 import abort_uploads_under
 
         abort_uploads_under(fs, folder)
+    elif fsio.is_azure(fs):
+        from ..stores.azure import discard_uncommitted_under
+
+        discard_uncommitted_under(fs, folder)
     fsio.remove_tree(fs, folder)
 
 

@@ -137,7 +137,7 @@ class Store(ABC):
         threads: I/O threads per rank.
     """
 
-    mode: ClassVar[str]  # recorded in the save record: "direct", "staged" or "s3"
+    mode: ClassVar[str]  # recorded in the save record: "direct", "staged", "s3", "gcs" or "azure"
     needs_placement: ClassVar[bool] = True  # plan() wants every chunk placed in its rank's staged objects
 
     def __init__(self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int) -> None:

@@ -29,6 +29,7 @@ from ..io.retry import RetryPolicy
 from ..plan.layout import Layout, layout_from_files
 from ..plan.rankplan import FINISHED, Finished, Written
 from ..stores.base import STAGING_DIR
+from ..stores.parts import PartsStore
 from ..stores.s3 import S3Store
 from ..stores.s3_requests import multipart_etag
 from ..writer import HFStorageWriter
@@ -36,6 +37,12 @@ from .progress import NO_PROGRESS, Progress
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 
+# Saves whose parts sit where the server assembles them, bound to the destination: finished in place only.
+_ASSEMBLED_IN_PLACE = {
+    "s3": "S3: its bytes sit in multipart uploads bound to their keys",
+    "gcs": "GCS: its parts are objects in the bucket, composed there",
+    "azure": "Azure: its bytes sit in uncommitted blocks of the blobs themselves",
+}
 # Bytes per read/write when copying finished files to another destination.
 _COPY_BYTES = 8 << 20
 
@@ -44,7 +51,7 @@ _COPY_BYTES = 8 << 20
 class ConsolidateReport:
     """What ``consolidate_checkpoint`` did.
 
-    ``mode``: how the interrupted save had moved its bytes (``direct``, ``staged``, ``s3``);
+    ``mode``: how the interrupted save had moved its bytes (``direct``, ``staged``, ``s3``, ``gcs``, ``azure``);
     ``moved_bytes``: bytes this process copied or merged (0 where only the index was missing);
     ``already_complete``: the source had its index already (only leftovers were cleared).
     """
@@ -77,13 +84,13 @@ def consolidate_checkpoint(
     One process does it, with ``thread_count`` files at a time and bounded memory (the merge
     copies 8 MiB blocks). With ``dst`` omitted the checkpoint is completed in place and the
     staging folder removed; with ``dst`` the source is left as it is and the checkpoint is
-    written to ``dst`` (not possible for a save to S3, whose bytes sit in multipart uploads
-    bound to their keys: complete it in place, then copy).
+    written to ``dst`` (not possible for a save to S3, GCS or Azure, whose parts the server
+    assembles where they are: complete it in place, then copy).
 
     Raises:
         FileNotFoundError: ``src`` holds no record of a save (nothing to consolidate).
         ValueError: the save cannot be finished (a rank never finished writing, records of
-            different saves, S3 uploads gone, ``dst`` on an S3 save), naming what and why.
+            different saves, S3 uploads gone, ``dst`` on an S3, GCS or Azure save), naming what and why.
         FileExistsError: ``dst`` holds a complete checkpoint and ``overwrite`` is off.
     """
     started = time.monotonic()
@@ -108,9 +115,9 @@ def consolidate_checkpoint(
     record, ranks = _read_records(fs, staging, names, url)
     layout = layout_from_files(record.files, f"{url}/{STAGING_DIR}/{SAVE_RECORD}")
     plans, results = _rebuild(layout, ranks, url)
-    if record.mode == "s3" and not in_place:
+    if record.mode in _ASSEMBLED_IN_PLACE and not in_place:
         raise ValueError(
-            f"{url} was being saved to S3: its bytes sit in multipart uploads bound to their keys, so it can only be "
+            f"{url} was being saved to {_ASSEMBLED_IN_PLACE[record.mode]}, so it can only be "
             f"completed in place; run consolidate without a destination, then copy the checkpoint to {dst}"
         )
 
@@ -122,9 +129,10 @@ def consolidate_checkpoint(
     store = writer._adopt(layout, record.mode, plans, record.uploads, record.save_id)
     store.on_bytes = progress.advance
     moved = 0
-    if in_place and isinstance(store, S3Store):
+    if in_place and isinstance(store, (S3Store, PartsStore)):
         completion = _read_completion(fs, staging, names, record, url)
-        store.completed = _check_uploads(store, record, layout, completion)
+        if isinstance(store, S3Store):
+            store.completed = _check_uploads(store, record, layout, completion)
         if completion is not None:
             results = _with_gathered_parts(results, layout, completion)
     elif not in_place:

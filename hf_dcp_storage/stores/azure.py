@@ -1,0 +1,108 @@
+"""Azure Blob Storage (through adlfs): every consolidated file one block blob, its blocks staged by
+the ranks and committed by the coordinator with one ``Put Block List``.
+
+The parts are planned as S3's are, with Azure's rules (``plan/azureplan.py``): each rank stages its
+runs of 1 MiB or more as blocks of the final blob (``Put Block``; ids of one fixed length derived
+from the save, the file and the block's first byte, so nobody needs to be told them) and stages
+the rest in an object of its own; the ranks gather the mixed blocks; the coordinator commits
+each blob (``_assemble``). Until then the blocks are invisible; a commit drops every uncommitted
+block it does not name, so committing again (``hf-dcp consolidate``) gives the same blob. A
+failed save drops its uncommitted blocks (``_discard``); the next save to the path drops those
+a killed save left, on the files its save record names (the blobs of other names a listing of
+uncommitted blobs finds, where the service lists them). The requests are
+``stores/azure_requests.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+from ..io import fsio
+from ..io.parallel import parallel_map
+from ..io.records import SAVE_RECORD, SaveRecord
+from ..io.retry import RetryPolicy
+from ..plan.azureplan import AZURE_RULES
+from ..plan.layout import Layout
+from .azure_requests import Azure
+from .base import STAGING_DIR, Ranges
+from .parts import PartsStore, quietly
+
+__all__ = ["AzureStore", "AzureRanges", "discard_uncommitted_under"]
+
+
+class AzureRanges(Ranges):
+    """Ranged reads through the library's own retried requests, up to 16 in flight per call."""
+
+    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
+        super().__init__(fs, retry)
+        self.azure = Azure(fs, retry)
+
+    def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return self.azure.get_spans([(path, start, end) for start, end in ranges])
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        return self.azure.get_range(path, start, end)
+
+
+class AzureStore(PartsStore):
+    """Blocks of the final blobs, committed by the coordinator (see the module docstring)."""
+
+    mode = "azure"
+    rules = AZURE_RULES
+
+    def _client(self, fs: AbstractFileSystem, retry: RetryPolicy) -> Azure:
+        return Azure(fs, retry)
+
+    def prepare(self, layout: Layout, overwrite: bool, *, make_files: bool = True) -> None:
+        """Also drops the uncommitted blocks a killed save left under this path (invisible, but
+        stored): on the files its save record names that this save does not write (those it
+        writes, its commit drops), and on blobs that hold nothing else."""
+        killed = _recorded_files(self.fs, self.root, self.retry)
+        super().prepare(layout, overwrite, make_files=make_files)
+        keep = set(layout.names)
+        names = sorted({n for n in killed if n not in keep})
+        azure: Azure = self.client  # type: ignore[assignment]
+        orphans = [fsio.join(self.root, n) for n in names] + azure.uncommitted(self.root.rstrip("/") + "/")
+        parallel_map(azure.discard, sorted(set(orphans)), self.threads)
+
+    def _assemble(self, f: int, layout: Layout, entries: list[dict[str, Any]]) -> None:
+        azure: Azure = self.client  # type: ignore[assignment]
+        azure.commit(fsio.join(self.root, layout.files[f].name), [e["ETag"] for e in entries])
+
+    def _discard(self, names: Sequence[str], save_id: str) -> None:
+        """Drop the uncommitted blocks of the save's blobs (and the blobs: the folder holds no
+        complete checkpoint while a save runs, so nothing of value goes with them)."""
+        azure: Azure = self.client  # type: ignore[assignment]
+        for name in names:
+            path = fsio.join(self.root, name)
+            quietly(lambda path=path: azure.discard(path), f"the uncommitted blocks of {azure.url(path)}")
+
+
+def _recorded_files(fs: AbstractFileSystem, root: str, retry: RetryPolicy) -> list[str]:
+    """The files the save record under ``root`` names (a save that did not finish), or none."""
+    where = fsio.join(root, STAGING_DIR, SAVE_RECORD)
+    try:
+        raw = retry.call(lambda: fsio.read_all(fs, where), operation="read", url=fsio.url_of(fs, where), keep_permanent=True)
+        return [name for name, _ in SaveRecord.decode(raw, where).files]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def discard_uncommitted_under(fs: AbstractFileSystem, folder: str, retry: RetryPolicy | None = None) -> int:
+    """Drop the uncommitted blocks under ``folder`` (a step being pruned) if ``fs`` is adlfs:
+    those of the files every save record under it names (the weights', the training state's),
+    and of the blobs a listing of uncommitted blobs finds; returns how many blobs."""
+    retry = retry or RetryPolicy()
+    if not fsio.is_azure(fs):
+        return 0
+    azure = Azure(fs, retry)
+    record = f"{STAGING_DIR}/{SAVE_RECORD}"
+    saves = [p[: -len(record)].rstrip("/") for p in fsio.list_tree(fs, folder) if p == record or p.endswith("/" + record)]
+    roots = {fsio.join(folder, rel) if rel else folder for rel in saves}
+    blobs = {fsio.join(r, n) for r in roots for n in _recorded_files(fs, r, retry)}
+    blobs.update(azure.uncommitted(folder.rstrip("/") + "/"))
+    parallel_map(azure.discard, sorted(blobs), 8)
+    return len(blobs)

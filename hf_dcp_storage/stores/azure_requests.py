@@ -1,0 +1,175 @@
+"""The Azure Blob requests the library makes itself: blocks (Put Block), block lists (Put Block
+List), whole blobs, ranged reads, and discarding a killed save's uncommitted blocks.
+
+Used only when the fsspec filesystem is adlfs (``stores/azure.py`` is the store built on them; the
+reader's ranged reads use them too). The requests go through adlfs's own async
+``BlobServiceClient`` (so the account, credential, connection string or SAS, and endpoint are
+the user's), with the SDK's retries off for them (``retry_total=0``: its default waits 15 s and
+more between attempts): each one is retried by this library's :class:`~.io.retry.RetryPolicy`
+alone, and fails with a message naming the operation and the blob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from fsspec.asyn import sync
+
+from ..io.retry import RetryPolicy
+from ..plan.azureplan import block_id
+from .parts import PartRef, PartsClient, quietly
+
+__all__ = ["Azure", "BlockWriter", "BLOCK_BYTES"]
+
+# A staged stream's blocks: one in memory while it fills, then staged.
+BLOCK_BYTES = 8 << 20
+# The SDK's own retries, off for every request made here (ours run instead).
+_NO_SDK_RETRY = {"retry_total": 0}
+
+
+class Azure(PartsClient):
+    """Retried Azure Blob requests on an adlfs filesystem's client; paths are ``container/blob``."""
+
+    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
+        self.fs, self.retry = fs, retry
+
+    def url(self, path: str) -> str:
+        return f"az://{path}"
+
+    def _blob(self, path: str) -> Any:
+        container, _, blob = path.partition("/")
+        return self.fs.service_client.get_blob_client(container, blob)  # type: ignore[attr-defined]
+
+    def _call(self, operation: str, path: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        async def once() -> Any:
+            async with self._blob(path) as client:
+                return await getattr(client, method)(*args, **kwargs, **_NO_SDK_RETRY)
+
+        return self.retry.call(lambda: sync(self.fs.loop, once), operation=operation, url=self.url(path))
+
+    # -- blobs and blocks -------------------------------------------------------------------------
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
+        """One blob, whole (a single Put Blob; above ``BLOCK_BYTES`` staged blocks and one commit)."""
+        if len(data) > BLOCK_BYTES:
+            with BlockWriter(self, path) as out:
+                out.write(data)
+            return {}
+        return self._call("Put Blob", path, "upload_blob", bytes(data), overwrite=True, length=len(data), max_concurrency=1)
+
+    def stage(self, path: str, block: str, data: bytes | bytearray | memoryview) -> None:
+        self._call("Put Block", path, "stage_block", block, bytes(data), length=len(data))
+
+    def commit(self, path: str, blocks: Sequence[str]) -> None:
+        """Make ``path`` the blob of ``blocks``, in order (uncommitted blocks not named are dropped)."""
+        from azure.storage.blob import BlobBlock
+
+        self._call(f"Put Block List ({len(blocks)} blocks)", path, "commit_block_list", [BlobBlock(block_id=b) for b in blocks])
+
+    def upload_part(self, root: str, save_id: str, part: PartRef, data: bytes | bytearray) -> dict[str, Any]:
+        """Part ``part.number`` as a block of the final blob, named by its file and first byte."""
+        bid = block_id(save_id, part.file, part.start)
+        self.stage(f"{root}/{part.name}", bid, data)
+        return {"PartNumber": part.number, "ETag": bid}
+
+    def staged_writer(self, path: str, size: int) -> BlockWriter:
+        return BlockWriter(self, path)
+
+    def discard(self, path: str) -> None:
+        """Drop every uncommitted block of ``path`` and the blob: commit an empty list (which
+        drops them), then delete the blob that made. For blobs this save (or a killed one) was
+        making, never for a committed checkpoint's."""
+        self.commit(path, [])
+        self.delete(path)
+
+    def delete(self, path: str) -> None:
+        try:
+            self._call("Delete Blob", path, "delete_blob")
+        except FileNotFoundError:
+            pass
+
+    def uncommitted(self, prefix: str) -> list[str]:
+        """Blobs under ``prefix`` (``container/path/``) that hold only uncommitted blocks (a
+        killed save's), which a plain listing does not show. The emulator Azurite lists none."""
+        container, _, inner = prefix.partition("/")
+
+        async def listing() -> tuple[set[str], set[str]]:
+            async with self.fs.service_client.get_container_client(container) as cc:  # type: ignore[attr-defined]
+                every = {b.name async for b in cc.list_blobs(name_starts_with=inner, include=["uncommittedblobs"], **_NO_SDK_RETRY)}
+                committed = {b.name async for b in cc.list_blobs(name_starts_with=inner, **_NO_SDK_RETRY)}
+            return every, committed
+
+        try:
+            every, committed = self.retry.call(lambda: sync(self.fs.loop, listing), operation="list uncommitted blobs under", url=self.url(prefix))
+        except FileNotFoundError:
+            return []
+        return sorted(f"{container}/{name}" for name in every - committed)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get_spans(self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
+        async def fetch_all() -> list[bytes]:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(path: str, start: int, end: int) -> bytes:
+                if end <= start:
+                    return b""
+
+                async def read() -> bytes:
+                    async with self._blob(path) as client:
+                        stream = await client.download_blob(offset=start, length=end - start, max_concurrency=1, **_NO_SDK_RETRY)
+                        return await stream.readall()
+
+                async with gate:
+                    return await self.retry.acall(read, operation=f"GET bytes {start}-{end - 1} of", url=self.url(path))
+
+            return list(await asyncio.gather(*(one(*span) for span in spans)))
+
+        return sync(self.fs.loop, fetch_all)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        return self.get_spans([(path, start, end)])[0]
+
+
+class BlockWriter:
+    """A write-only stream to one block blob: blocks of ``BLOCK_BYTES`` staged as they fill (one
+    in memory), committed in one block list by a clean exit; an error discards the blocks."""
+
+    def __init__(self, azure: Azure, path: str, block: int = BLOCK_BYTES) -> None:
+        self.azure, self.path, self.block = azure, path, block
+        self._buf = bytearray()
+        self._blocks: list[str] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        self._buf += view
+        while len(self._buf) >= self.block:
+            self._stage(self.block)
+        return len(view)
+
+    def _stage(self, n: int) -> None:
+        # Fixed-length ids, numbered: a blob's block ids must all be of one length.
+        bid = block_id("staged", 0, len(self._blocks))
+        self.azure.stage(self.path, bid, self._buf[:n])
+        self._blocks.append(bid)
+        del self._buf[:n]
+
+    def close(self) -> None:
+        if not self._blocks:
+            self.azure.put(self.path, self._buf)
+            return
+        if self._buf:
+            self._stage(len(self._buf))
+        self.azure.commit(self.path, self._blocks)
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._blocks:
+            quietly(lambda: self.azure.discard(self.path), self.azure.url(self.path))

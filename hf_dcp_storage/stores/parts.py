@@ -1,0 +1,360 @@
+"""Stores whose server assembles every consolidated file from parts the ranks upload: GCS (objects
+composed server-side, ``stores/gcs.py``) and Azure Blob (blocks of the final blob, committed with
+one block list, ``stores/azure.py``). S3's multipart uploads (``stores/s3.py``) are the same design,
+which both follow.
+
+The coordinator plans every file's parts with the store's rules (``plan/s3plan.py``'s ``plan_s3``
+with ``PartRules``): each rank uploads the parts that hold only its own bytes, straight from its
+tensors (``write``), and stages the runs too small to be parts of their own; once every rank has
+staged, the ranks gather the mixed parts from the staged runs, spread by bytes (``run_task``),
+and the coordinator has the server assemble each file from its parts (``complete``: a compose
+tree, a block list). Bytes a rank uploads of its own are sent once and never move again;
+``merge_stats`` counts the gathered ones (downloaded and uploaded again) apart.
+
+A subclass gives the store's requests as a :class:`PartsClient` and its assembly (``_assemble``)
+and clean-up (``_discard``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ClassVar
+
+from fsspec import AbstractFileSystem
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..format.crc import CrcAccumulator
+from ..io import fsio
+from ..io.parallel import parallel_map
+from ..io.records import COMPLETION_RECORD, CompletionRecord
+from ..io.retry import RetryPolicy
+from ..plan.layout import Layout
+from ..plan.placed import PlacedChunks, place_items
+from ..plan.rankplan import Finished, RankPlan, Written, WrittenRows
+from ..plan.s3parts import GatherPart, PartRules, RankPart, route_run
+from ..plan.s3plan import S3RankPlan, plan_s3, s3_rank_plans
+from ..plan.spread import GatherTask, GatherTasks, Source
+from .base import STAGING_DIR, Slabs, Store, chunk_bytes, in_write_order, tensor_bytes
+
+__all__ = ["PartsClient", "PartsStore", "PartRef", "PartAssembler", "gather_bytes", "quietly"]
+
+logger = logging.getLogger(__name__)
+
+# Parts a rank uploads at a time: enough to keep a connection busy while the next part fills.
+_IN_FLIGHT = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PartRef:
+    """Which part an upload is: part ``number`` of file ``file`` (``name``), its first byte ``start``."""
+
+    file: int
+    name: str
+    number: int
+    start: int
+
+
+class PartsClient(ABC):
+    """The retried requests of one store (one SDK); paths as fsspec strips them. Thread-safe."""
+
+    @abstractmethod
+    def url(self, path: str) -> str:
+        """``path`` as the user writes it (``gs://b/k``, ``az://c/k``), for messages."""
+
+    @abstractmethod
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
+        """Write a whole object in one request (readers see all of it or nothing); its metadata."""
+
+    @abstractmethod
+    def get_spans(self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
+        """Bytes ``[start, end)`` of each ``(path, start, end)``, with up to ``concurrency`` in flight."""
+
+    @abstractmethod
+    def upload_part(self, root: str, save_id: str, part: PartRef, data: bytes | bytearray) -> dict[str, Any]:
+        """Upload one part of a file of the checkpoint at ``root``; its ``{"PartNumber", "ETag"}``
+        entry (``ETag``: what identifies this upload of the part when the file is assembled)."""
+
+    @abstractmethod
+    def staged_writer(self, path: str, size: int) -> Any:
+        """A write stream to one staged object of about ``size`` bytes, with bounded memory: a
+        context manager whose clean exit publishes the object and whose error leaves nothing."""
+
+
+class PartsStore(Store):
+    """Files assembled by the server from the ranks' parts (see the module docstring)."""
+
+    rules: ClassVar[PartRules]
+
+    def __init__(self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int) -> None:
+        super().__init__(fs, root, retry=retry, threads=threads)
+        self.client = self._client(fs, retry)
+        self.layout: Layout | None = None
+        self.parts: list[list[RankPart | GatherPart]] = []  # every file's parts, numbered from 1
+        self.gathers: list[GatherTasks] = []  # every rank's share of the gathered parts
+
+    @abstractmethod
+    def _client(self, fs: AbstractFileSystem, retry: RetryPolicy) -> PartsClient:
+        """The store's requests."""
+
+    @abstractmethod
+    def _assemble(self, f: int, layout: Layout, entries: list[dict[str, Any]]) -> None:
+        """(coordinator) Have the server make file ``f`` from its parts (``entries``: every
+        part's ``{"PartNumber", "ETag"}``, in file order); idempotent: done again, it gives
+        the same file."""
+
+    @abstractmethod
+    def _discard(self, names: Sequence[str], save_id: str) -> None:
+        """Remove what this save made for files ``names`` besides the files themselves (parts,
+        intermediates, uncommitted blocks); best effort, never raises."""
+
+    # -- coordinator --------------------------------------------------------------------------------
+
+    def plan(self, layout: Layout, placed: PlacedChunks | None, world: int) -> list[GatherTasks]:
+        assert placed is not None
+        plan = plan_s3(placed, layout, world, self.rules)
+        self.layout, self.parts, self.gathers = layout, plan.parts, plan.tasks
+        return plan.tasks
+
+    def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str], completed: Collection[int] = ()) -> None:
+        """(``consolidate``) Finish a save from its records: its parts, re-planned from every
+        rank's items (its parts are still there: assembly is done again, which is idempotent)."""
+        self.plan(layout, place_items(layout, plans), len(plans))
+
+    def rank_data(self, world: int) -> list[S3RankPlan]:
+        assert self.layout is not None, "plan() and prepare() come first"
+        return s3_rank_plans(self.layout, self.parts, {}, self.gathers)
+
+    def put(self, path: str, data: bytes) -> None:
+        self.client.put(path, data)  # one request: atomic, and retried
+
+    def complete(self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, Finished]) -> None:
+        """Assemble every file from the parts the ranks uploaded; any gathered part no rank
+        uploaded (finishing an interrupted save) is gathered here. A failure removes what the
+        save made (``abort``'s clean-up)."""
+        entries: dict[int, dict[int, dict[str, Any]]] = {}
+        for rank_results in results:
+            for r in rank_results:
+                written = r.storage_data
+                for f, ps in written.parts.items() if isinstance(written, WrittenRows) else [(written.file, written.parts)]:
+                    entries.setdefault(f, {}).update((e["PartNumber"], e) for e in ps)
+        for fin in finished.values():
+            for f, ps in fin.parts.items():
+                entries.setdefault(f, {}).update((e["PartNumber"], e) for e in ps)
+        # Before the first assembly: every part's entry, so that ``hf-dcp consolidate`` of a save
+        # that dies here gathers nothing again.
+        known = {layout.files[f].name: tuple(sorted(es.values(), key=lambda e: e["PartNumber"])) for f, es in sorted(entries.items())}
+        self.put(fsio.join(self.root, STAGING_DIR, COMPLETION_RECORD), CompletionRecord(self.save_id, known).encode())
+        sources = _Sources(self.gathers)
+
+        def one(f: int) -> None:
+            plan, parts, got = layout.files[f], self.parts[f], entries.get(f, {})
+            missing = [p for p in parts if p.number not in got]
+            own = [p.number for p in missing if isinstance(p, RankPart)]
+            if own:
+                raise RuntimeError(f"{self.client.url(fsio.join(self.root, plan.name))}: parts {own} were never uploaded by their ranks")
+            for p in missing:  # gathered parts no rank uploaded: an interrupted save being finished
+                data = gather_bytes(self.client, sources.of(f, p), lambda rank: self.staged_path(plan.name, rank), url=self.client.url)
+                got[p.number] = self.client.upload_part(self.root, self.save_id, PartRef(f, plan.name, p.number, p.start), data)
+            self._assemble(f, layout, [got[p.number] for p in parts])
+            gathered = sum(p.nbytes for p in parts if isinstance(p, GatherPart))
+            self.merge_stats.add(plan.size, gathered, sum(p.nbytes for p in missing))
+
+        try:
+            parallel_map(one, [f for f in range(len(layout.files)) if self.parts[f]], self.threads)
+        except BaseException:
+            self._discard(layout.names, self.save_id)
+            raise
+
+    # -- each rank ----------------------------------------------------------------------------------
+
+    def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
+        """Upload the parts that hold only this rank's bytes; stage the rest."""
+        by_file: dict[int, list[WriteItem]] = {}
+        for item in items:
+            by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
+        return [r for rs in parallel_map(lambda f: self._write_file(f, by_file[f], rank_plan, slabs), sorted(by_file), self.threads) for r in rs]
+
+    def _write_file(self, file: int, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
+        plan: S3RankPlan = rank_plan.store
+        name, parts = rank_plan.files[file], plan.parts.get(file, ())
+        starts = [p.start for p in parts]
+        file_items = in_write_order(items, lambda it: rank_plan.placements[it.index].tensor_start)
+        staged_size = sum(chunk_bytes(it) for it in file_items) - sum(p.nbytes for p in parts)
+        uploader = Uploader(lambda part, data: self.client.upload_part(self.root, rank_plan.save_id, PartRef(file, name, part.number, part.start), data))
+        assembler = PartAssembler(plan.headers.get(file, b""), uploader.submit)
+        results: list[WriteResult] = []
+        staged_pos = 0
+        stream: Any = self.client.staged_writer(self.staged_path(name, rank_plan.rank), staged_size) if staged_size else contextlib.nullcontext()
+        try:
+            with stream as staged:
+                for item in file_items:
+                    start = rank_plan.placements[item.index].tensor_start
+                    crc, first_staged, nbytes = CrcAccumulator(), staged_pos, 0
+                    for runs, data in slabs(item):
+                        nbytes += len(data)
+                        for tensor_off, chunk_off, n in runs:
+                            run = data[chunk_off : chunk_off + n]
+                            crc.update(tensor_off, run)
+                            run_start = start + tensor_off
+                            for at, take, part in route_run(run_start, n, starts, parts):
+                                piece = run[at - run_start : at - run_start + take]
+                                if part is None:
+                                    staged.write(piece)
+                                    staged_pos += take
+                                else:
+                                    assembler.add(part, at, piece)
+                    results.append(WriteResult(item.index, nbytes, Written(file, first_staged, crc.contribution(tensor_bytes(item)))))
+            if assembler.unfinished:
+                raise RuntimeError(f"{name}: parts {assembler.unfinished} were planned for rank {rank_plan.rank} but not filled")
+            entries = tuple(uploader.wait())
+        finally:
+            uploader.close()
+        last = results[-1]
+        results[-1] = dataclasses.replace(last, storage_data=dataclasses.replace(last.storage_data, parts=entries))
+        return results
+
+    def run_task(self, task: GatherTask, rank_plan: RankPlan) -> tuple[int, dict[str, Any] | None]:
+        """Gather one part from the ranks' staged runs and upload it."""
+        name = rank_plan.files[task.file]
+        data = gather_bytes(self.client, task.sources(), lambda rank: self.staged_path(name, rank), url=self.client.url)
+        return task.file, self.client.upload_part(self.root, rank_plan.save_id, PartRef(task.file, name, task.number, task.start), data)
+
+    def abort(self, rank_plan: RankPlan) -> None:
+        """Remove the parts (and on Azure the uncommitted blocks) this save made; best effort
+        (the next save to this path, or pruning the step, removes what is left)."""
+        self._discard(rank_plan.files, rank_plan.save_id)
+
+
+class Uploader:
+    """Runs ``send(part, data)`` for a rank's filled parts on a small pool, at most ``in_flight``
+    pending, so the rank fills the next part while earlier ones travel; ``wait`` gives every
+    part's result (the first failure raised)."""
+
+    def __init__(self, send: Callable[[RankPart, bytearray], dict[str, Any]], in_flight: int = _IN_FLIGHT) -> None:
+        self.send, self.in_flight = send, in_flight
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[Future[dict[str, Any]]] = deque()
+        self.done: list[dict[str, Any]] = []
+
+    def submit(self, part: RankPart, data: bytearray) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="hf-dcp-part")
+        while len(self._pending) >= self.in_flight:
+            self.done.append(self._pending.popleft().result())
+        self._pending.append(self._pool.submit(self.send, part, data))
+
+    def wait(self) -> list[dict[str, Any]]:
+        while self._pending:
+            self.done.append(self._pending.popleft().result())
+        return self.done
+
+    def close(self) -> None:
+        for fut in self._pending:
+            fut.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class PartAssembler:
+    """Fills a rank's own parts of one file from the pieces it writes, in any order, and hands
+    each part to ``send`` as soon as its last byte arrives (the buffer itself, not a copy).
+
+    A part that carries the header gets it in front (the header is file bytes ``[0, start)``).
+    """
+
+    def __init__(self, header: bytes, send: Callable[[RankPart, bytearray], None]) -> None:
+        self.header, self.send = header, send
+        self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part number -> (buffer, [bytes missing])
+
+    def add(self, part: RankPart, at: int, piece: memoryview) -> None:
+        """Copy ``piece``, file bytes from ``at``, into ``part``."""
+        lead = part.start if part.header else 0
+        entry = self._open.get(part.number)
+        if entry is None:
+            buf = bytearray(lead + part.nbytes)
+            buf[:lead] = self.header[:lead]
+            entry = self._open[part.number] = (buf, [part.nbytes])
+        buf, missing = entry
+        offset = lead + at - part.start
+        buf[offset : offset + len(piece)] = piece
+        missing[0] -= len(piece)
+        if missing[0] == 0:
+            del self._open[part.number]
+            self.send(part, buf)
+
+    @property
+    def unfinished(self) -> list[int]:
+        return sorted(self._open)
+
+
+def gather_bytes(client: Any, sources: Sequence[Source], staged_path: Callable[[int], str], *, url: Callable[[str], str] = str) -> bytearray:
+    """A gathered part's bytes: literal pieces (the header's) and ranges of the ranks' staged
+    objects (``staged_path(rank)``), read with ``client.get_spans``. Ranges that follow each other
+    in one staged object (a rank's runs in a part, which it staged back to back) are one read;
+    all reads run in parallel.
+
+    Raises:
+        RuntimeError: a staged object is shorter than the save recorded (an inconsistent save).
+    """
+    spans: list[list[Any]] = []  # [path, start, end], joined while ranges follow each other
+    last: dict[str, int] = {}  # path -> index of its latest span
+    plan: list[bytes | tuple[int, int, int]] = []  # literal bytes, or (span, offset in it, nbytes)
+    for s in sources:
+        if isinstance(s, bytes):
+            plan.append(s)
+            continue
+        path = staged_path(s[0])
+        i = last.get(path)
+        if i is None or spans[i][2] != s[1]:
+            i = last[path] = len(spans)
+            spans.append([path, s[1], s[1]])
+        plan.append((i, spans[i][2] - spans[i][1], s[2]))
+        spans[i][2] += s[2]
+    fetched = client.get_spans([(p, a, b) for p, a, b in spans])
+    out = bytearray()
+    for step in plan:
+        if isinstance(step, bytes):
+            out += step
+            continue
+        i, offset, n = step
+        data = fetched[i]
+        if len(data) < offset + n:
+            raise RuntimeError(f"{url(spans[i][0])}: staged object ends early at byte {spans[i][1] + len(data)}")
+        out += memoryview(data)[offset : offset + n]
+    return out
+
+
+def quietly(cleanup: Callable[[], None], what: str) -> None:
+    """Clean up after a failure without masking it: a failing clean-up is logged, not raised."""
+    try:
+        cleanup()
+    except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+        logger.warning("could not remove %s (%s); the next save to this path removes it", what, exc)
+
+
+class _Sources:
+    """Where each gathered part's bytes sit, for the parts no rank gathered (an interrupted
+    save being finished): looked up in the ranks' shares, indexed on first need."""
+
+    def __init__(self, gathers: list[GatherTasks]) -> None:
+        self.gathers = gathers
+        self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (file, part number) -> (share, index)
+
+    def of(self, f: int, part: GatherPart) -> list[Any]:
+        if not self.where:
+            self.where.update(((fp[0], fp[1]), (b, i)) for b, batch in enumerate(self.gathers) for i, fp in enumerate(batch.parts[:, :2].tolist()))
+        b, i = self.where[(f, part.number)]
+        return self.gathers[b].task(i).sources()
+
+
+def chunks_of(data: memoryview, size: int) -> Iterator[memoryview]:
+    """``data`` in pieces of at most ``size`` bytes."""
+    for at in range(0, len(data), size):
+        yield data[at : at + size]
