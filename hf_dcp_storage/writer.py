@@ -288,9 +288,8 @@ class HFStorageWriter(StorageWriter):
         return store
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """(all ranks) Write this rank's bytes through the store, record them (the save's
-        ``rank{r}.json``, so an interrupted save can be finished), then do this rank's share of
-        the finishing work once every rank has written."""
+        """(all ranks) Write this rank's bytes through the store, record them (the save's ``rank{r}.json``,
+        so an interrupted save can be finished), then do this rank's share of the finishing work once every rank has written."""
         rank_plan = plan.storage_data
         if self._local is None or not isinstance(rank_plan, RankPlan) or rank_plan.table is None:
             raise RuntimeError(
