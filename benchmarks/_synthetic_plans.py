@@ -14,6 +14,8 @@ one the remainder, and the trailing shards none; an empty shard reports its offs
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,6 +154,24 @@ def local_chunk(shape: Shape, mesh: Mesh, placements: Placements, rank: int) -> 
     return tuple(offsets), tuple(sizes)
 
 
+# torch 2.15 added ``strides`` to TensorProperties; DCP fills it from the rank's local tensor
+# (``DTensor.to_local()``: a contiguous shard), so a synthetic plan does too where the field exists.
+_HAS_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """``torch.empty(sizes).stride()`` without a tensor (an empty dimension counts as 1)."""
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _properties(dtype: torch.dtype, sizes: Sequence[int]) -> TensorProperties:
+    return TensorProperties(dtype=dtype, strides=_contiguous_strides(sizes)) if _HAS_STRIDES else TensorProperties(dtype=dtype)
+
+
 def rank_save_plan(shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int, dtype: torch.dtype = torch.bfloat16) -> SavePlan:
     """The ``SavePlan`` ``DefaultSavePlanner.create_local_plan`` makes on ``rank`` for a flat
     state dict of DTensors of these shapes: one SHARD item per key, and ``planner_data`` the
@@ -166,7 +186,7 @@ def rank_save_plan(shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int, d
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                    properties=TensorProperties(dtype=dtype),
+                    properties=_properties(dtype, sizes),
                     size=torch.Size(shape),
                 ),
             )
