@@ -393,8 +393,7 @@ class HFStorageWriter(StorageWriter):
         self._owner = None
 
     def _host_buffers(self, tensor: torch.Tensor) -> HostBuffers:
-        """(each rank) The host buffers of slabs that need a copy: two per I/O thread (one being
-        written, one being filled), pinned when the tensors live on CUDA."""
+        """(each rank) Host buffers for slabs that need a copy: two per I/O thread, pinned for CUDA tensors."""
         with self._host_lock:
             if self._host is None:
                 self._host = HostBuffers(2 * self.thread_count, pin=tensor.device.type == "cuda")
