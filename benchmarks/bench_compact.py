@@ -180,7 +180,7 @@ def _plan_tasks(store: Any, layout: Any, placed: Any, world: int, mode: str) -> 
         from hf_dcp_storage.plan.gcsplan import compose_tree, part_name
 
         for plan, parts in zip(layout.files, store.parts, strict=True):
-            compose_tree(plan.name, plan.name, [part_name("s", plan.name, p.number) for p in parts], "s")
+            compose_tree(plan.name, plan.name, [part_name("s", "0" * 32, plan.name, p.number) for p in parts], "s", "0" * 32)
     return tasks
 
 

@@ -71,6 +71,7 @@ class Fault:
 
     Matching (all given conditions must hold): ``method`` (exact, e.g. ``"PUT"``), ``path``
     (``re.search`` on the URL path), ``query_has`` (``"partNumber"`` or ``"x-id=UploadPartCopy"``),
+    ``query_re`` (``re.search`` on each ``name=value`` of the query: a value not known exactly),
     ``header_has`` (``"x-amz-copy-source"`` or ``"name=value"``; names case-insensitive).
     ``times=N`` fires on the first N matching requests, ``None`` on all; ``fired`` counts fires.
     """
@@ -79,6 +80,7 @@ class Fault:
     method: str | None = None
     path: str | None = None
     query_has: str | None = None
+    query_re: str | None = None
     header_has: str | None = None
     times: int | None = 1
     seconds: float = 0.0
@@ -89,6 +91,7 @@ class Fault:
             (self.method is None or self.method == method)
             and (self.path is None or re.search(self.path, path) is not None)
             and (self.query_has is None or _has(query, self.query_has, fold_names=False))
+            and (self.query_re is None or any(re.search(self.query_re, f"{k}={v}") for k, v in query))
             and (self.header_has is None or _has(headers, self.header_has, fold_names=True))
         )
 

@@ -187,3 +187,21 @@ def test_errors_name_the_value_and_the_rule() -> None:
         acc.contribution(9)
     with pytest.raises(ValueError, match=r"crc32_shift\(nbytes=-1\) needs nbytes >= 0"):
         crc32_shift(0, -1)
+
+
+def test_crc32c_of_pieces_is_the_crc32c_of_their_concatenation() -> None:
+    # GCS reports every object's CRC32C; a composed file's must be its parts' laid end to end.
+    import base64
+
+    google_crc32c = pytest.importorskip("google_crc32c")
+    from hf_dcp_storage.format.crc32c import crc32c_combine, crc32c_from_gcs, crc32c_of_pieces
+
+    rng = random.Random(7)
+    pieces = [rng.randbytes(n) for n in (0, 1, 112, 6 << 20, 4095, 0, 65536)]
+    want = google_crc32c.value(b"".join(pieces))
+    assert crc32c_of_pieces((google_crc32c.value(p), len(p)) for p in pieces) == want
+    assert crc32c_of_pieces((google_crc32c.value(p), len(p)) for p in reversed(pieces)) != want  # order matters
+    assert crc32c_combine(google_crc32c.value(b"ab"), google_crc32c.value(b""), 0) == google_crc32c.value(b"ab")
+    assert crc32c_from_gcs(base64.b64encode(want.to_bytes(4, "big")).decode()) == want
+    with pytest.raises(ValueError, match=r"crc32c='AAA=' is not base64 of a 4-byte CRC32C"):
+        crc32c_from_gcs("AAA=")

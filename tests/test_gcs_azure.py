@@ -167,7 +167,7 @@ def _part_kinds(kind: str) -> dict[str, dict]:
             "staged read": {"method": "GET", "path": r"\.rank\d+$"},
             "assemble": {"method": "POST", "path": r"/compose$"},
             "index": {"method": "POST", "query_has": f"name=run/step_1/{INDEX}"},
-            "denied": {"method": "POST", "query_has": "name=run/step_1/.hf_dcp_staging/parts/model-00001-of-00001.safetensors.part00002"},
+            "denied": {"method": "POST", "query_re": r"^name=run/step_1/\.hf_dcp_staging/parts/[0-9a-f]+/model-00001-of-00001\.safetensors\.part00002$"},
         }
     return {
         "part": {"method": "PUT", "query_has": "comp=block"},
@@ -261,7 +261,7 @@ def test_access_denied_fails_at_once_leaves_no_parts_and_the_next_save_clears_up
     fault = proxy.add_fault(Fault("403", **_part_kinds(kind)["denied"], times=1))  # a retry would succeed
     sd = _state_dict(BIG_ROWS)
     started = time.monotonic()
-    op = r"start a resumable upload of gs://.*/parts/model-00001-of-00001\.safetensors\.part\d+" if kind == "gcs" else r"Put Block az://.*/run/step_1/model-00001-of-00001\.safetensors"
+    op = r"start a resumable upload of gs://.*/parts/[0-9a-f]+/model-00001-of-00001\.safetensors\.part\d+" if kind == "gcs" else r"Put Block az://.*/run/step_1/model-00001-of-00001\.safetensors"
     with raises_in_checkpoint(PermissionError, "(?s)" + op + r" failed: .*\(not retried: the error is permanent\)"):
         dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0)), no_dist=True)
     assert time.monotonic() - started < 5 and fault.fired == 1

@@ -128,3 +128,52 @@ def test_a_bare_save_killed_while_assembling_is_consolidated_on_gcs_and_azure(re
     outcome = bare_kill(f"{bucket}/bare-{uuid.uuid4().hex[:8]}", options, "completing", "job")
     assert outcome.survived, summary([outcome])
 
+
+
+def test_fake_gcs_server_ignores_the_generation_preconditions_of_compose_sources(gcs) -> None:
+    # Why a composed GCS file is checked against its parts (stores/gcs.py, _check_composed): GCS
+    # answers 412 to a compose whose source is no longer at the generation the compose requires;
+    # fake-gcs-server (1.54) composes whatever the name holds now, and keeps the destination's old
+    # generation when it composes onto an existing object.
+    import gcsfs
+
+    from hf_dcp_storage.io.retry import RetryPolicy
+    from hf_dcp_storage.stores.gcs_requests import GCS
+
+    bucket, options = gcs
+    g = GCS(gcsfs.GCSFileSystem(skip_instance_cache=True, **options), RetryPolicy(max_attempts=1))
+    root = bucket.removeprefix("gs://")
+    first = g.put(f"{root}/part", b"old bytes")
+    g.put(f"{root}/part", b"NEW BYTES")
+    made = g.compose(f"{root}/file", [(f"{root}/part", str(first["generation"]))])  # GCS: 412
+    assert g.get_range(f"{root}/file", 0, 9) == b"NEW BYTES"
+    again = g.compose(f"{root}/file", [(f"{root}/part", None)])
+    assert again["generation"] == made["generation"]  # GCS: a new generation for every write
+
+
+def test_a_gcs_part_changed_after_its_upload_never_enters_a_committed_file(gcs) -> None:
+    # The one failure of the GCS kill matrix: a consolidated file that was its two parts in the
+    # wrong order (part 2's bytes, then part 1's: the CRC32 the load found, 505cb4a4, is exactly
+    # that file's `emb`). Here the parts of a killed save are changed under their names after
+    # their uploads (swapped), which GCS's generation preconditions refuse and fake-gcs-server
+    # does not: consolidate must refuse to commit what they compose, not write an index for it.
+    import gcsfs
+
+    from _killchain import _bare_job
+    from hf_dcp_storage import consolidate_checkpoint
+    from hf_dcp_storage.format.index import INDEX_NAME
+
+    bucket, options = gcs
+    url = f"{bucket}/swapped-{uuid.uuid4().hex[:8]}"
+    assert run_job(_bare_job, 2, url, options, ("before-index", "job"), timeout=120).how() == ["killed", "killed"]
+    fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
+    root = url.removeprefix("gs://")
+    parts = sorted(p for p in fs.find(f"{root}/.hf_dcp_staging/parts") if "/model-00001-of-00002.safetensors.part" in p)
+    assert len(parts) == 2, parts
+    one, two = fs.cat_file(parts[0]), fs.cat_file(parts[1])
+    fs.pipe_file(parts[0], two)
+    fs.pipe_file(parts[1], one)
+    with pytest.raises(RuntimeError, match=r"model-00001-of-00002.safetensors: composed from its 2 parts, it is not their bytes in order"):
+        consolidate_checkpoint(url, storage_options=options)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/{INDEX_NAME}") and not fs.exists(f"{root}/model-00001-of-00002.safetensors")

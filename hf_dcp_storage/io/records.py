@@ -141,7 +141,7 @@ class CompletionRecord:
     """The parts the coordinator completed each file's upload with (``complete.json``)."""
 
     save_id: str
-    parts: Mapping[str, tuple[dict[str, Any], ...]]  # file name -> ({"PartNumber", "ETag"}, ...)
+    parts: Mapping[str, tuple[dict[str, Any], ...]]  # file name -> ({"PartNumber", "ETag"[, "CRC32C"]}, ...)
 
     def encode(self) -> bytes:
         return _json({"format": FORMAT, "save_id": self.save_id, "parts": {n: list(p) for n, p in sorted(self.parts.items())}})
@@ -150,10 +150,18 @@ class CompletionRecord:
     def decode(cls, raw: bytes, where: str) -> CompletionRecord:
         obj = _load(raw, where)
         try:
-            parts = {str(n): tuple({"PartNumber": int(e["PartNumber"]), "ETag": str(e["ETag"])} for e in p) for n, p in obj["parts"].items()}
+            parts = {str(n): tuple(_part_entry(e) for e in p) for n, p in obj["parts"].items()}
             return cls(str(obj["save_id"]), parts)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"{where}: not a valid completion record ({type(exc).__name__}: {exc})") from None
+
+
+def _part_entry(e: Mapping[str, Any]) -> dict[str, Any]:
+    """A part's entry as recorded: its number and ETag, and (GCS) the CRC32C its upload got."""
+    entry: dict[str, Any] = {"PartNumber": int(e["PartNumber"]), "ETag": str(e["ETag"])}
+    if "CRC32C" in e:
+        entry["CRC32C"] = str(e["CRC32C"])
+    return entry
 
 
 def rank_record(save_id: str, rank: int, items: list[WriteItem], results: list[WriteResult]) -> RankRecord:

@@ -61,7 +61,7 @@ class Azure(PartsClient):
         return self._call("Put Blob", path, "upload_blob", bytes(data), overwrite=True, length=len(data), max_concurrency=1)
 
     def stage(self, path: str, block: str, data: bytes | bytearray | memoryview) -> None:
-        self._call("Put Block", path, "stage_block", block, bytes(data), length=len(data))
+        self._call("Put Block", path, "stage_block", block, _body(data), length=len(data))
 
     def commit(self, path: str, blocks: Sequence[str]) -> None:
         """Make ``path`` the blob of ``blocks``, in order (uncommitted blocks not named are dropped)."""
@@ -132,6 +132,13 @@ class Azure(PartsClient):
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
         return self.get_spans([(path, start, end)])[0]
+
+
+def _body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
+    """A Put Block body the SDK sends as it is: the caller's bytes or bytearray, not a copy (a
+    rank's parts are filled buffers nobody touches again); a view is copied once. (Put Blob
+    takes no bytearray: the SDK's upload_blob fails on one.)"""
+    return data if isinstance(data, (bytes, bytearray)) else bytes(data)
 
 
 class BlockWriter:

@@ -7,7 +7,11 @@ the large ones) and stages the rest; the ranks gather the mixed parts; then the 
 composes each file (``_assemble``): up to 32 sources a compose, as a tree for more
 (``plan/gcsplan.compose_tree``), every level's composes of every file in parallel, each part
 required at the generation its upload made (so a stray object of the same name never enters
-the file). The tree's intermediate objects are deleted as soon as their file is composed; the
+the file), and each composed file checked against its parts before anything is committed: its
+size, and its CRC32C against the one the parts' CRC32Cs make in order (``_check_composed``: a
+server that ignores the preconditions, as fake-gcs-server does, cannot slip a changed part in).
+Parts and intermediates sit in a folder named by the save's id, so no other save (nor a stale
+compose of a killed one) ever reads or writes this save's. The tree's intermediate objects are deleted as soon as their file is composed; the
 parts go with the staging folder once the index is written (until then ``hf-dcp consolidate``
 composes the files again from them: composing is idempotent). A failed save deletes its parts
 and intermediates (``_discard``). The requests are ``stores/gcs_requests.py``.
@@ -20,6 +24,7 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from ..format.crc32c import crc32c_from_gcs, crc32c_of_pieces
 from ..io import fsio
 from ..io.parallel import parallel_map
 from ..io.retry import RetryPolicy
@@ -64,19 +69,47 @@ class GcsStore(PartsStore):
     def _assemble(self, f: int, layout: Layout, entries: list[dict[str, Any]]) -> None:
         name = layout.files[f].name
         gcs: GCS = self.client  # type: ignore[assignment]
-        parts = [part_name(self._staging(), name, e["PartNumber"]) for e in entries]
+        parts = [part_name(self._staging(), self.save_id, name, e["PartNumber"]) for e in entries]
         generation = {p: e["ETag"] for p, e in zip(parts, entries, strict=True)}
-        levels = compose_tree(name, fsio.join(self.root, name), parts, self._staging())
-        made: dict[str, str] = {}  # intermediate -> its generation
+        levels = compose_tree(name, fsio.join(self.root, name), parts, self._staging(), self.save_id)
+        made: dict[str, dict[str, Any]] = {}  # composed object -> its metadata
         for level in levels:
             def one(c: Any) -> None:
-                meta = gcs.compose(c.target, [(s, generation.get(s) or made.get(s)) for s in c.sources])
-                made[c.target] = str(meta["generation"])
+                made[c.target] = gcs.compose(c.target, [(s, generation.get(s) or str(made[s]["generation"])) for s in c.sources])
 
             parallel_map(one, level, _COMPOSES_IN_FLIGHT)
         intermediates = [c.target for level in levels[:-1] for c in level]
         if intermediates:
             quietly(lambda: gcs.delete_many(intermediates, self.threads), f"the intermediate objects of {gcs.url(fsio.join(self.root, name))}")
+        self._check_composed(f, layout, entries, made[levels[-1][0].target])
+
+    def _check_composed(self, f: int, layout: Layout, entries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+        """Refuse a composed file that is not its recorded parts' bytes in order: its size must
+        be the planned one and its CRC32C (GCS computes it for every object) the one the parts'
+        CRC32Cs, as their uploads got them, make end to end. The generation preconditions keep a
+        replaced part out of a compose on GCS itself; this holds where they are not enforced
+        (fake-gcs-server ignores them) and whatever changed a part after its upload.
+
+        Raises:
+            RuntimeError: the file differs (it is deleted: no index ever names it).
+        """
+        plan, gcs = layout.files[f], self.client
+        assert isinstance(gcs, GCS)
+        ends = [p.end for p in self.parts[f]]
+        sizes = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]  # the parts tile the file, header first
+        size = int(meta.get("size", -1))
+        want = crc32c_of_pieces((crc32c_from_gcs(e["CRC32C"]), n) for e, n in zip(entries, sizes, strict=True)) if all("CRC32C" in e for e in entries) else None
+        got = crc32c_from_gcs(meta["crc32c"]) if want is not None and meta.get("crc32c") else None
+        if size == plan.size and (want is None or got is None or got == want):
+            return
+        path = fsio.join(self.root, plan.name)
+        quietly(lambda: gcs.delete(path), gcs.url(path))
+        raise RuntimeError(
+            f"{gcs.url(path)}: composed from its {len(entries)} parts, it is not their bytes in order (size {size}, crc32c "
+            f"{got if got is None else f'{got:08x}'}; the parts make {plan.size} bytes, crc32c {want if want is None else f'{want:08x}'}): "
+            f"a part object changed after its upload (another writer replaced it, which a server that ignores generation "
+            f"preconditions lets through); nothing is committed, save the checkpoint again"
+        )
 
     def _discard(self, names: Sequence[str], save_id: str) -> None:
         """Delete the save's part objects and compose intermediates (from a fresh listing of

@@ -89,9 +89,13 @@ class GCS(PartsClient):
 
     def upload_part(self, root: str, save_id: str, part: PartRef, data: bytes | bytearray) -> dict[str, Any]:
         """Part ``part.number`` as an object under the save's staging folder; its generation is
-        what the compose will require of it."""
-        meta = self.put(part_name(f"{root}/{STAGING_DIR}", part.name, part.number), data)
-        return {"PartNumber": part.number, "ETag": str(meta["generation"])}
+        what the compose will require of it, its CRC32C (as GCS computed it) what the composed
+        file is checked against."""
+        meta = self.put(part_name(f"{root}/{STAGING_DIR}", save_id, part.name, part.number), data)
+        entry = {"PartNumber": part.number, "ETag": str(meta["generation"])}
+        if meta.get("crc32c"):
+            entry["CRC32C"] = str(meta["crc32c"])
+        return entry
 
     def staged_writer(self, path: str, size: int) -> ResumableWriter:
         return ResumableWriter(self, path)
