@@ -30,20 +30,20 @@ from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..format.crc import CrcAccumulator
 from ..io import fsio
 from ..io.parallel import parallel_map
 from ..io.records import COMPLETION_RECORD, CompletionRecord
 from ..io.retry import RetryPolicy
 from ..plan.layout import Layout
 from ..plan.placed import PlacedChunks, place_items
-from ..plan.rankplan import Finished, RankPlan, Written, WrittenRows
-from ..plan.s3parts import GatherPart, PartRules, RankPart, route_run
+from ..plan.rankplan import Finished, RankPlan, WrittenRows
+from ..plan.s3parts import GatherPart, PartRules, RankPart
 from ..plan.s3plan import S3RankPlan, plan_s3, s3_rank_plans
-from ..plan.spread import GatherTask, GatherTasks, Source
-from .base import STAGING_DIR, Slabs, Store, chunk_bytes, in_write_order, tensor_bytes
+from ..plan.spread import GatherTask, GatherTasks
+from .base import STAGING_DIR, Slabs, Store, chunk_bytes, in_write_order
+from .filling import GatheredSources, PartAssembler, by_file, fill_file, gather_bytes
 
-__all__ = ["PartsClient", "PartsStore", "PartRef", "PartAssembler", "gather_bytes", "quietly"]
+__all__ = ["PartsClient", "PartsStore", "PartRef", "quietly"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class PartsStore(Store):
         # that dies here gathers nothing again.
         known = {layout.files[f].name: tuple(sorted(es.values(), key=lambda e: e["PartNumber"])) for f, es in sorted(entries.items())}
         self.put(fsio.join(self.root, STAGING_DIR, COMPLETION_RECORD), CompletionRecord(self.save_id, known).encode())
-        sources = _Sources(self.gathers)
+        sources = GatheredSources(self.gathers)
 
         def one(f: int) -> None:
             plan, parts, got = layout.files[f], self.parts[f], entries.get(f, {})
@@ -176,43 +176,21 @@ class PartsStore(Store):
 
     def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         """Upload the parts that hold only this rank's bytes; stage the rest."""
-        by_file: dict[int, list[WriteItem]] = {}
-        for item in items:
-            by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
-        return [r for rs in parallel_map(lambda f: self._write_file(f, by_file[f], rank_plan, slabs), sorted(by_file), self.threads) for r in rs]
+        files = by_file(items, rank_plan)
+        return [r for rs in parallel_map(lambda f: self._write_file(f, files[f], rank_plan, slabs), sorted(files), self.threads) for r in rs]
 
     def _write_file(self, file: int, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         plan: S3RankPlan = rank_plan.store
         name, parts = rank_plan.files[file], plan.parts.get(file, ())
-        starts = [p.start for p in parts]
         file_items = in_write_order(items, lambda it: rank_plan.placements[it.index].tensor_start)
         staged_size = sum(chunk_bytes(it) for it in file_items) - sum(p.nbytes for p in parts)
         uploader = Uploader(lambda part, data: self.client.upload_part(self.root, rank_plan.save_id, PartRef(file, name, part.number, part.start), data))
         assembler = PartAssembler(plan.headers.get(file, b""), uploader.submit)
-        results: list[WriteResult] = []
-        staged_pos = 0
         stream: Any = self.client.staged_writer(self.staged_path(name, rank_plan.rank), staged_size) if staged_size else contextlib.nullcontext()
         try:
             with stream as staged:
-                for item in file_items:
-                    start = rank_plan.placements[item.index].tensor_start
-                    crc, first_staged, nbytes = CrcAccumulator(), staged_pos, 0
-                    for runs, data in slabs(item):
-                        nbytes += len(data)
-                        for tensor_off, chunk_off, n in runs:
-                            run = data[chunk_off : chunk_off + n]
-                            crc.update(tensor_off, run)
-                            run_start = start + tensor_off
-                            for at, take, part in route_run(run_start, n, starts, parts):
-                                piece = run[at - run_start : at - run_start + take]
-                                if part is None:
-                                    staged.write(piece)
-                                    staged_pos += take
-                                else:
-                                    assembler.add(part, at, piece)
-                    results.append(WriteResult(item.index, nbytes, Written(file, first_staged, crc.contribution(tensor_bytes(item)))))
-            if assembler.unfinished:
-                raise RuntimeError(f"{name}: parts {assembler.unfinished} were planned for rank {rank_plan.rank} but not filled")
+                results = fill_file(file, file_items, rank_plan, slabs, parts, staged, assembler)
+            assembler.check_filled(name, rank_plan.rank)
             entries = tuple(uploader.wait())
         finally:
             uploader.close()
@@ -262,96 +240,12 @@ class Uploader:
             self._pool.shutdown(wait=True)
 
 
-class PartAssembler:
-    """Fills a rank's own parts of one file from the pieces it writes, in any order, and hands
-    each part to ``send`` as soon as its last byte arrives (the buffer itself, not a copy).
-
-    A part that carries the header gets it in front (the header is file bytes ``[0, start)``).
-    """
-
-    def __init__(self, header: bytes, send: Callable[[RankPart, bytearray], None]) -> None:
-        self.header, self.send = header, send
-        self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part number -> (buffer, [bytes missing])
-
-    def add(self, part: RankPart, at: int, piece: memoryview) -> None:
-        """Copy ``piece``, file bytes from ``at``, into ``part``."""
-        lead = part.start if part.header else 0
-        entry = self._open.get(part.number)
-        if entry is None:
-            buf = bytearray(lead + part.nbytes)
-            buf[:lead] = self.header[:lead]
-            entry = self._open[part.number] = (buf, [part.nbytes])
-        buf, missing = entry
-        offset = lead + at - part.start
-        buf[offset : offset + len(piece)] = piece
-        missing[0] -= len(piece)
-        if missing[0] == 0:
-            del self._open[part.number]
-            self.send(part, buf)
-
-    @property
-    def unfinished(self) -> list[int]:
-        return sorted(self._open)
-
-
-def gather_bytes(client: Any, sources: Sequence[Source], staged_path: Callable[[int], str], *, url: Callable[[str], str] = str) -> bytearray:
-    """A gathered part's bytes: literal pieces (the header's) and ranges of the ranks' staged
-    objects (``staged_path(rank)``), read with ``client.get_spans``. Ranges that follow each other
-    in one staged object (a rank's runs in a part, which it staged back to back) are one read;
-    all reads run in parallel.
-
-    Raises:
-        RuntimeError: a staged object is shorter than the save recorded (an inconsistent save).
-    """
-    spans: list[list[Any]] = []  # [path, start, end], joined while ranges follow each other
-    last: dict[str, int] = {}  # path -> index of its latest span
-    plan: list[bytes | tuple[int, int, int]] = []  # literal bytes, or (span, offset in it, nbytes)
-    for s in sources:
-        if isinstance(s, bytes):
-            plan.append(s)
-            continue
-        path = staged_path(s[0])
-        i = last.get(path)
-        if i is None or spans[i][2] != s[1]:
-            i = last[path] = len(spans)
-            spans.append([path, s[1], s[1]])
-        plan.append((i, spans[i][2] - spans[i][1], s[2]))
-        spans[i][2] += s[2]
-    fetched = client.get_spans([(p, a, b) for p, a, b in spans])
-    out = bytearray()
-    for step in plan:
-        if isinstance(step, bytes):
-            out += step
-            continue
-        i, offset, n = step
-        data = fetched[i]
-        if len(data) < offset + n:
-            raise RuntimeError(f"{url(spans[i][0])}: staged object ends early at byte {spans[i][1] + len(data)}")
-        out += memoryview(data)[offset : offset + n]
-    return out
-
-
 def quietly(cleanup: Callable[[], None], what: str) -> None:
     """Clean up after a failure without masking it: a failing clean-up is logged, not raised."""
     try:
         cleanup()
     except Exception as exc:  # noqa: BLE001 - the original error is the one to report
         logger.warning("could not remove %s (%s); the next save to this path removes it", what, exc)
-
-
-class _Sources:
-    """Where each gathered part's bytes sit, for the parts no rank gathered (an interrupted
-    save being finished): looked up in the ranks' shares, indexed on first need."""
-
-    def __init__(self, gathers: list[GatherTasks]) -> None:
-        self.gathers = gathers
-        self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (file, part number) -> (share, index)
-
-    def of(self, f: int, part: GatherPart) -> list[Any]:
-        if not self.where:
-            self.where.update(((fp[0], fp[1]), (b, i)) for b, batch in enumerate(self.gathers) for i, fp in enumerate(batch.parts[:, :2].tolist()))
-        b, i = self.where[(f, part.number)]
-        return self.gathers[b].task(i).sources()
 
 
 def chunks_of(data: memoryview, size: int) -> Iterator[memoryview]:

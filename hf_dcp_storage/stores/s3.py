@@ -23,19 +23,19 @@ from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..format.crc import CrcAccumulator
 from ..io import fsio
 from ..io.parallel import parallel_map
 from ..io.records import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, SaveRecord
 from ..io.retry import RetryPolicy
 from ..plan.layout import Layout
 from ..plan.placed import PlacedChunks, place_items
-from ..plan.rankplan import Finished, RankPlan, Written, WrittenRows
-from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart, route_run
+from ..plan.rankplan import Finished, RankPlan, WrittenRows
+from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
 from ..plan.s3plan import S3RankPlan, plan_s3, s3_rank_plans
 from ..plan.spread import GatherTask, GatherTasks
-from .base import STAGING_DIR, Ranges, Slabs, Store, chunk_bytes, in_write_order, tensor_bytes
-from .s3_requests import S3, MultipartWriter, PartAssembler, PartUploader, complete_file, gather_bytes, quietly, s3_for
+from .base import STAGING_DIR, Ranges, Slabs, Store, chunk_bytes, in_write_order
+from .filling import GatheredSources, PartAssembler, by_file, fill_file, gather_bytes
+from .s3_requests import S3, MultipartWriter, PartUploader, complete_file, quietly, s3_for, s3_url
 
 __all__ = ["S3Store", "S3Ranges", "abort_uploads_under"]
 
@@ -149,7 +149,7 @@ class S3Store(Store):
         # part's ETag, so it gathers nothing again).
         known = {layout.files[f].name: tuple(sorted(etags.get(f, []), key=lambda e: e["PartNumber"])) for f in sorted(self.uploads)}
         self.put(fsio.join(self.root, STAGING_DIR, COMPLETION_RECORD), CompletionRecord(self.save_id, known).encode())
-        sources = _Sources(self.gathers)
+        sources = GatheredSources(self.gathers)
         try:
             for f, plan in enumerate(layout.files):
                 if f in self.completed:
@@ -169,15 +169,12 @@ class S3Store(Store):
     def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         """Upload the parts that hold only this rank's bytes straight into the consolidated
         files; stage the rest (a failure: the writer calls ``abort``)."""
-        by_file: dict[int, list[WriteItem]] = {}
-        for item in items:
-            by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
-        return [r for rs in parallel_map(lambda f: self._write_file(f, by_file[f], rank_plan, slabs), sorted(by_file), self.threads) for r in rs]
+        files = by_file(items, rank_plan)
+        return [r for rs in parallel_map(lambda f: self._write_file(f, files[f], rank_plan, slabs), sorted(files), self.threads) for r in rs]
 
     def _write_file(self, file: int, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         s3_plan: S3RankPlan = rank_plan.store
         name, parts = rank_plan.files[file], s3_plan.parts.get(file, ())
-        starts = [p.start for p in parts]
         file_items = in_write_order(items, lambda it: rank_plan.placements[it.index].tensor_start)
         staged_size = sum(chunk_bytes(it) for it in file_items) - sum(p.nbytes for p in parts)
         path = fsio.join(self.root, name)
@@ -191,31 +188,12 @@ class S3Store(Store):
                 self.s3.put(path, data)
 
         assembler = PartAssembler(s3_plan.headers.get(file, b""), send)
-        results: list[WriteResult] = []
-        staged_pos = 0
         staged_path = self.staged_path(name, rank_plan.rank)
         stream: Any = MultipartWriter(self.s3, staged_path, max(fsio.part_bytes(self.fs, staged_size), MIN_PART_BYTES)) if staged_size else contextlib.nullcontext()
         try:
             with stream as staged:
-                for item in file_items:
-                    start = rank_plan.placements[item.index].tensor_start
-                    crc, first_staged, nbytes = CrcAccumulator(), staged_pos, 0
-                    for runs, data in slabs(item):
-                        nbytes += len(data)
-                        for tensor_off, chunk_off, n in runs:
-                            run = data[chunk_off : chunk_off + n]
-                            crc.update(tensor_off, run)
-                            run_start = start + tensor_off
-                            for at, take, part in route_run(run_start, n, starts, parts):
-                                piece = run[at - run_start : at - run_start + take]
-                                if part is None:
-                                    staged.write(piece)
-                                    staged_pos += take
-                                else:
-                                    assembler.add(part, at, piece)
-                    results.append(WriteResult(item.index, nbytes, Written(file, first_staged, crc.contribution(tensor_bytes(item)))))
-            if assembler.unfinished:
-                raise RuntimeError(f"{name}: parts {assembler.unfinished} were planned for rank {rank_plan.rank} but not filled")
+                results = fill_file(file, file_items, rank_plan, slabs, parts, staged, assembler)
+            assembler.check_filled(name, rank_plan.rank)
             etags = tuple(uploader.wait()) if uploader is not None else ()
         except BaseException:
             if uploader is not None:
@@ -229,7 +207,7 @@ class S3Store(Store):
         """Gather one part from the ranks' staged runs and upload it (a one-part file: PUT whole)."""
         name = rank_plan.files[task.file]
         path = fsio.join(self.root, name)
-        data = gather_bytes(self.s3, task.sources(), lambda rank: self.staged_path(name, rank))
+        data = gather_bytes(self.s3, task.sources(), lambda rank: self.staged_path(name, rank), url=s3_url)
         upload_id = rank_plan.store.uploads.get(task.file)
         if upload_id is None:
             self.s3.put(path, data)
@@ -264,18 +242,3 @@ def abort_uploads_under(fs: AbstractFileSystem, folder: str, retry: RetryPolicy 
     orphans = s3.list_uploads(folder.rstrip("/") + "/")
     parallel_map(lambda o: s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, 8)
     return len(orphans)
-
-
-class _Sources:
-    """Where each gathered part's bytes sit, for the parts no rank gathered (an interrupted
-    save being finished): looked up in the ranks' shares, indexed on first need."""
-
-    def __init__(self, gathers: list[GatherTasks]) -> None:
-        self.gathers = gathers
-        self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (file, part number) -> (share, index)
-
-    def of(self, f: int, part: GatherPart) -> list[Any]:
-        if not self.where:
-            self.where.update(((fp[0], fp[1]), (b, i)) for b, batch in enumerate(self.gathers) for i, fp in enumerate(batch.parts[:, :2].tolist()))
-        b, i = self.where[(f, part.number)]
-        return self.gathers[b].task(i).sources()

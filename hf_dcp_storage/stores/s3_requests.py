@@ -35,10 +35,16 @@ from ..io.retry import RetryPolicy
 from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
 from ..plan.spread import Source
 from .base import MergeStats
+from .filling import gather_bytes
 
-__all__ = ["S3", "s3_for", "multipart_etag", "MultipartWriter", "PartAssembler", "PartUploader", "complete_file", "gather_bytes", "quietly"]
+__all__ = ["S3", "s3_for", "s3_url", "multipart_etag", "MultipartWriter", "PartUploader", "complete_file", "quietly"]
 
 logger = logging.getLogger(__name__)
+
+
+def s3_url(path: str) -> str:
+    """``bucket/key`` as the URL a message shows."""
+    return f"s3://{path}"
 
 # Parts a stream uploads at a time: enough to keep a connection busy while the next part fills.
 _IN_FLIGHT = 2
@@ -211,38 +217,6 @@ class S3:
         return [(u["Key"], u["UploadId"]) for u in r.get("Uploads", [])]
 
 
-class PartAssembler:
-    """Fills a rank's own parts of one file from the pieces it writes, in any order, and hands
-    each part to ``send`` as soon as its last byte arrives (the buffer itself, not a copy).
-
-    A part that carries the header gets it in front (the header is file bytes ``[0, start)``).
-    """
-
-    def __init__(self, header: bytes, send: Callable[[RankPart, bytearray], None]) -> None:
-        self.header, self.send = header, send
-        self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part number -> (buffer, [bytes missing])
-
-    def add(self, part: RankPart, at: int, piece: memoryview) -> None:
-        """Copy ``piece``, file bytes from ``at``, into ``part``."""
-        lead = part.start if part.header else 0
-        entry = self._open.get(part.number)
-        if entry is None:
-            buf = bytearray(lead + part.nbytes)
-            buf[:lead] = self.header[:lead]
-            entry = self._open[part.number] = (buf, [part.nbytes])
-        buf, missing = entry
-        offset = lead + at - part.start
-        buf[offset : offset + len(piece)] = piece
-        missing[0] -= len(piece)
-        if missing[0] == 0:
-            del self._open[part.number]
-            self.send(part, buf)
-
-    @property
-    def unfinished(self) -> list[int]:
-        return sorted(self._open)
-
-
 class PartUploader:
     """Uploads numbered parts of one multipart upload on a worker thread pool, at most
     ``in_flight`` pending, so the caller fills the next part while earlier ones travel."""
@@ -382,7 +356,7 @@ def complete_file(
     size = sum(p.nbytes for p in parts) + (len(header) if any(isinstance(p, RankPart) and p.header for p in parts) else 0)
     if upload_id is None:  # a one-part file: PUT already by a rank, or here
         if here:
-            s3.put(path, gather_bytes(s3, sources(here[0]), staged_path))
+            s3.put(path, gather_bytes(s3, sources(here[0]), staged_path, url=s3_url))
         stats.add(size, gathered, sum(p.nbytes for p in here))
         return
     try:
@@ -391,45 +365,9 @@ def complete_file(
         if got != expected:
             raise RuntimeError(f"s3://{path}: parts {sorted(expected - got)} were never uploaded by their ranks")
         done = list(etags)
-        done += parallel_map(lambda p: s3.upload_part(path, upload_id, p.number, gather_bytes(s3, sources(p), staged_path)), here, threads)
+        done += parallel_map(lambda p: s3.upload_part(path, upload_id, p.number, gather_bytes(s3, sources(p), staged_path, url=s3_url)), here, threads)
         s3.complete_upload(path, upload_id, sorted(done, key=lambda e: e["PartNumber"]), size)
     except BaseException:
         quietly(lambda: s3.abort_upload(path, upload_id), path)
         raise
     stats.add(size, gathered, sum(p.nbytes for p in here))
-
-
-def gather_bytes(s3: S3, sources: Sequence[Source], staged_path: Callable[[int], str]) -> bytearray:
-    """A gathered part's bytes: literal pieces (the header's) and ranges of the ranks' staged
-    objects (``staged_path(rank)``). Ranges that follow each other in one staged object (a
-    rank's runs in a part, which it staged back to back) are one GET; all GETs run in parallel.
-
-    Raises:
-        RuntimeError: a staged object is shorter than the save recorded (an inconsistent save).
-    """
-    spans: list[list[Any]] = []  # [path, start, end], joined while ranges follow each other
-    last: dict[str, int] = {}  # path -> index of its latest span
-    plan: list[bytes | tuple[int, int, int]] = []  # literal bytes, or (span, offset in it, nbytes)
-    for s in sources:
-        if isinstance(s, bytes):
-            plan.append(s)
-            continue
-        path = staged_path(s[0])
-        i = last.get(path)
-        if i is None or spans[i][2] != s[1]:
-            i = last[path] = len(spans)
-            spans.append([path, s[1], s[1]])
-        plan.append((i, spans[i][2] - spans[i][1], s[2]))
-        spans[i][2] += s[2]
-    fetched = s3.get_spans([(p, a, b) for p, a, b in spans])
-    out = bytearray()
-    for step in plan:
-        if isinstance(step, bytes):
-            out += step
-            continue
-        i, offset, n = step
-        data = fetched[i]
-        if len(data) < offset + n:
-            raise RuntimeError(f"s3://{spans[i][0]}: staged object ends early at byte {spans[i][1] + len(data)}")
-        out += memoryview(data)[offset : offset + n]
-    return out

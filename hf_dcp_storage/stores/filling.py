@@ -1,0 +1,154 @@
+"""What the part stores (S3, GCS, Azure) do alike on each rank: fill the parts that hold only this
+rank's bytes while staging the rest (``fill_file``), and gather a mixed part from the ranks'
+staged runs (``gather_bytes``).
+
+Each store brings its own requests: where a filled part goes (an S3 ``UploadPart``, a GCS part
+object, an Azure block), the staged object's writer, and the client whose ``get_spans`` reads
+ranges of staged objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..format.crc import CrcAccumulator
+from ..plan.rankplan import RankPlan, Written
+from ..plan.s3parts import GatherPart, RankPart, route_run
+from ..plan.spread import GatherTasks, Source
+from .base import Slabs, tensor_bytes
+
+__all__ = ["by_file", "fill_file", "PartAssembler", "gather_bytes", "GatheredSources"]
+
+
+def by_file(items: list[WriteItem], rank_plan: RankPlan) -> dict[int, list[WriteItem]]:
+    """A rank's write items grouped by the file they go to (each file is written by one task)."""
+    out: dict[int, list[WriteItem]] = {}
+    for item in items:
+        out.setdefault(rank_plan.placements[item.index].file, []).append(item)
+    return out
+
+
+class PartAssembler:
+    """Fills a rank's own parts of one file from the pieces it writes, in any order, and hands
+    each part to ``send`` as soon as its last byte arrives (the buffer itself, not a copy).
+
+    A part that carries the header gets it in front (the header is file bytes ``[0, start)``).
+    """
+
+    def __init__(self, header: bytes, send: Callable[[RankPart, bytearray], None]) -> None:
+        self.header, self.send = header, send
+        self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part number -> (buffer, [bytes missing])
+
+    def add(self, part: RankPart, at: int, piece: memoryview) -> None:
+        """Copy ``piece``, file bytes from ``at``, into ``part``."""
+        lead = part.start if part.header else 0
+        entry = self._open.get(part.number)
+        if entry is None:
+            buf = bytearray(lead + part.nbytes)
+            buf[:lead] = self.header[:lead]
+            entry = self._open[part.number] = (buf, [part.nbytes])
+        buf, missing = entry
+        offset = lead + at - part.start
+        buf[offset : offset + len(piece)] = piece
+        missing[0] -= len(piece)
+        if missing[0] == 0:
+            del self._open[part.number]
+            self.send(part, buf)
+
+    def check_filled(self, name: str, rank: int) -> None:
+        """Raise unless every part of ``name`` this rank began was filled (a plan that does not
+        add up: a bug, never a user error)."""
+        if self._open:
+            raise RuntimeError(f"{name}: parts {sorted(self._open)} were planned for rank {rank} but not filled")
+
+
+def fill_file(
+    file: int,
+    file_items: list[WriteItem],
+    rank_plan: RankPlan,
+    slabs: Slabs,
+    parts: Sequence[RankPart],
+    staged: Any,
+    assembler: PartAssembler,
+) -> list[WriteResult]:
+    """(each rank) Route every byte of ``file_items`` (one file's, in write order): into this
+    rank's own parts through ``assembler``, or appended to ``staged`` (the rank's staged object
+    of the file; ``None`` when nothing is staged). Each result records where the item's bytes
+    begin in the staged object and its CRC32 contribution."""
+    starts = [p.start for p in parts]
+    results: list[WriteResult] = []
+    staged_pos = 0
+    for item in file_items:
+        start = rank_plan.placements[item.index].tensor_start
+        crc, first_staged, nbytes = CrcAccumulator(), staged_pos, 0
+        for runs, data in slabs(item):
+            nbytes += len(data)
+            for tensor_off, chunk_off, n in runs:
+                run = data[chunk_off : chunk_off + n]
+                crc.update(tensor_off, run)
+                run_start = start + tensor_off
+                for at, take, part in route_run(run_start, n, starts, parts):
+                    piece = run[at - run_start : at - run_start + take]
+                    if part is None:
+                        staged.write(piece)
+                        staged_pos += take
+                    else:
+                        assembler.add(part, at, piece)
+        results.append(WriteResult(item.index, nbytes, Written(file, first_staged, crc.contribution(tensor_bytes(item)))))
+    return results
+
+
+def gather_bytes(client: Any, sources: Sequence[Source], staged_path: Callable[[int], str], *, url: Callable[[str], str] = str) -> bytearray:
+    """A gathered part's bytes: literal pieces (the header's) and ranges of the ranks' staged
+    objects (``staged_path(rank)``), read with ``client.get_spans``. Ranges that follow each other
+    in one staged object (a rank's runs in a part, which it staged back to back) are one read;
+    all reads run in parallel. ``url`` spells a path for messages.
+
+    Raises:
+        RuntimeError: a staged object is shorter than the save recorded (an inconsistent save).
+    """
+    spans: list[list[Any]] = []  # [path, start, end], joined while ranges follow each other
+    last: dict[str, int] = {}  # path -> index of its latest span
+    plan: list[bytes | tuple[int, int, int]] = []  # literal bytes, or (span, offset in it, nbytes)
+    for s in sources:
+        if isinstance(s, bytes):
+            plan.append(s)
+            continue
+        path = staged_path(s[0])
+        i = last.get(path)
+        if i is None or spans[i][2] != s[1]:
+            i = last[path] = len(spans)
+            spans.append([path, s[1], s[1]])
+        plan.append((i, spans[i][2] - spans[i][1], s[2]))
+        spans[i][2] += s[2]
+    fetched = client.get_spans([(p, a, b) for p, a, b in spans])
+    out = bytearray()
+    for step in plan:
+        if isinstance(step, bytes):
+            out += step
+            continue
+        i, offset, n = step
+        data = fetched[i]
+        if len(data) < offset + n:
+            raise RuntimeError(f"{url(spans[i][0])}: staged object ends early at byte {spans[i][1] + len(data)}")
+        out += memoryview(data)[offset : offset + n]
+    return out
+
+
+class GatheredSources:
+    """Where each gathered part's bytes sit, for the parts no rank gathered (an interrupted
+    save being finished, by the coordinator): looked up in the ranks' shares, indexed on first need."""
+
+    def __init__(self, gathers: list[GatherTasks]) -> None:
+        self.gathers = gathers
+        self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (file, part number) -> (share, index)
+
+    def of(self, f: int, part: GatherPart) -> list[Any]:
+        if not self.where:
+            self.where.update(((fp[0], fp[1]), (b, i)) for b, batch in enumerate(self.gathers) for i, fp in enumerate(batch.parts[:, :2].tolist()))
+        b, i = self.where[(f, part.number)]
+        return self.gathers[b].task(i).sources()
