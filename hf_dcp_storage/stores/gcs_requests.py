@@ -20,6 +20,7 @@ from urllib.parse import quote
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
+from ..io.parallel import parallel_map
 from ..io.retry import RetryPolicy, StoreError
 from ..plan.gcsplan import part_name
 from .base import STAGING_DIR
@@ -126,8 +127,6 @@ class GCS(PartsClient):
             pass
 
     def delete_many(self, paths: Sequence[str], threads: int = 16) -> None:
-        from ..io.parallel import parallel_map
-
         parallel_map(self.delete, list(paths), threads)
 
     # -- reads ----------------------------------------------------------------------------------
