@@ -9,6 +9,7 @@ ranges of staged objects.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,20 +17,46 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.crc import CrcAccumulator
+from ..io.parallel import parallel_map
 from ..plan.rankplan import RankPlan, Written
 from ..plan.s3parts import GatherPart, RankPart, route_run
 from ..plan.spread import GatherTasks, Source
-from .base import Slabs, tensor_bytes
+from .base import Slabs, chunk_bytes, in_write_order, tensor_bytes
 
-__all__ = ["by_file", "fill_file", "PartAssembler", "gather_bytes", "GatheredSources"]
+__all__ = ["write_by_file", "FileShare", "fill_file", "with_parts", "PartAssembler", "gather_bytes", "GatheredSources"]
 
 
-def by_file(items: list[WriteItem], rank_plan: RankPlan) -> dict[int, list[WriteItem]]:
-    """A rank's write items grouped by the file they go to (each file is written by one task)."""
-    out: dict[int, list[WriteItem]] = {}
+def write_by_file(items: list[WriteItem], rank_plan: RankPlan, write_file: Callable[[int, list[WriteItem]], list[WriteResult]], threads: int) -> list[WriteResult]:
+    """(each rank) ``write_file(file, its items)`` for every file this rank has items of, up to
+    ``threads`` files at a time; the results of all, in file order."""
+    by_file: dict[int, list[WriteItem]] = {}
     for item in items:
-        out.setdefault(rank_plan.placements[item.index].file, []).append(item)
-    return out
+        by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
+    return [r for rs in parallel_map(lambda f: write_file(f, by_file[f]), sorted(by_file), threads) for r in rs]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileShare:
+    """What one rank writes of one file: its items in write order, its own parts, and the bytes
+    it stages (everything of its items outside those parts)."""
+
+    name: str
+    items: list[WriteItem]
+    parts: tuple[RankPart, ...]
+    staged_size: int
+
+    @classmethod
+    def of(cls, file: int, items: list[WriteItem], rank_plan: RankPlan) -> FileShare:
+        parts = tuple(rank_plan.store.parts.get(file, ()))
+        ordered = in_write_order(items, lambda it: rank_plan.placements[it.index].tensor_start)
+        return cls(rank_plan.files[file], ordered, parts, sum(chunk_bytes(it) for it in ordered) - sum(p.nbytes for p in parts))
+
+
+def with_parts(results: list[WriteResult], parts: tuple[dict[str, Any], ...]) -> list[WriteResult]:
+    """``results`` of one file with the entries of the parts the rank uploaded (``ETag``, ...) on
+    its last result, where the coordinator collects them."""
+    last = results[-1]
+    return [*results[:-1], dataclasses.replace(last, storage_data=dataclasses.replace(last.storage_data, parts=parts))]
 
 
 class PartAssembler:

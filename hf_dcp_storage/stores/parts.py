@@ -40,8 +40,8 @@ from ..plan.rankplan import Finished, RankPlan, WrittenRows
 from ..plan.s3parts import GatherPart, PartRules, RankPart
 from ..plan.s3plan import S3RankPlan, plan_s3, s3_rank_plans
 from ..plan.spread import GatherTask, GatherTasks
-from .base import STAGING_DIR, Slabs, Store, chunk_bytes, in_write_order
-from .filling import GatheredSources, PartAssembler, by_file, fill_file, gather_bytes
+from .base import STAGING_DIR, Slabs, Store
+from .filling import FileShare, GatheredSources, PartAssembler, fill_file, gather_bytes, with_parts, write_by_file
 
 __all__ = ["PartsClient", "PartsStore", "PartRef", "quietly"]
 
@@ -176,27 +176,23 @@ class PartsStore(Store):
 
     def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         """Upload the parts that hold only this rank's bytes; stage the rest."""
-        files = by_file(items, rank_plan)
-        return [r for rs in parallel_map(lambda f: self._write_file(f, files[f], rank_plan, slabs), sorted(files), self.threads) for r in rs]
+        return write_by_file(items, rank_plan, lambda f, file_items: self._write_file(f, file_items, rank_plan, slabs), self.threads)
 
     def _write_file(self, file: int, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         plan: S3RankPlan = rank_plan.store
-        name, parts = rank_plan.files[file], plan.parts.get(file, ())
-        file_items = in_write_order(items, lambda it: rank_plan.placements[it.index].tensor_start)
-        staged_size = sum(chunk_bytes(it) for it in file_items) - sum(p.nbytes for p in parts)
+        share = FileShare.of(file, items, rank_plan)
+        name, parts, staged_size = share.name, share.parts, share.staged_size
         uploader = Uploader(lambda part, data: self.client.upload_part(self.root, rank_plan.save_id, PartRef(file, name, part.number, part.start), data))
         assembler = PartAssembler(plan.headers.get(file, b""), uploader.submit)
         stream: Any = self.client.staged_writer(self.staged_path(name, rank_plan.rank), staged_size) if staged_size else contextlib.nullcontext()
         try:
             with stream as staged:
-                results = fill_file(file, file_items, rank_plan, slabs, parts, staged, assembler)
+                results = fill_file(file, share.items, rank_plan, slabs, parts, staged, assembler)
             assembler.check_filled(name, rank_plan.rank)
             entries = tuple(uploader.wait())
         finally:
             uploader.close()
-        last = results[-1]
-        results[-1] = dataclasses.replace(last, storage_data=dataclasses.replace(last.storage_data, parts=entries))
-        return results
+        return with_parts(results, entries)
 
     def run_task(self, task: GatherTask, rank_plan: RankPlan) -> tuple[int, dict[str, Any] | None]:
         """Gather one part from the ranks' staged runs and upload it."""

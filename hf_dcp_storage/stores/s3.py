@@ -12,7 +12,6 @@ save (``abort``). The requests themselves, retried, are ``stores/s3_requests.py`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections.abc import Collection, Mapping, Sequence
@@ -33,8 +32,8 @@ from ..plan.rankplan import Finished, RankPlan, WrittenRows
 from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
 from ..plan.s3plan import S3RankPlan, plan_s3, s3_rank_plans
 from ..plan.spread import GatherTask, GatherTasks
-from .base import STAGING_DIR, Ranges, Slabs, Store, chunk_bytes, in_write_order
-from .filling import GatheredSources, PartAssembler, by_file, fill_file, gather_bytes
+from .base import STAGING_DIR, Ranges, Slabs, Store
+from .filling import FileShare, GatheredSources, PartAssembler, fill_file, gather_bytes, with_parts, write_by_file
 from .s3_requests import S3, MultipartWriter, PartUploader, complete_file, quietly, s3_for, s3_url
 
 __all__ = ["S3Store", "S3Ranges", "abort_uploads_under"]
@@ -169,14 +168,12 @@ class S3Store(Store):
     def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         """Upload the parts that hold only this rank's bytes straight into the consolidated
         files; stage the rest (a failure: the writer calls ``abort``)."""
-        files = by_file(items, rank_plan)
-        return [r for rs in parallel_map(lambda f: self._write_file(f, files[f], rank_plan, slabs), sorted(files), self.threads) for r in rs]
+        return write_by_file(items, rank_plan, lambda f, file_items: self._write_file(f, file_items, rank_plan, slabs), self.threads)
 
     def _write_file(self, file: int, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         s3_plan: S3RankPlan = rank_plan.store
-        name, parts = rank_plan.files[file], s3_plan.parts.get(file, ())
-        file_items = in_write_order(items, lambda it: rank_plan.placements[it.index].tensor_start)
-        staged_size = sum(chunk_bytes(it) for it in file_items) - sum(p.nbytes for p in parts)
+        share = FileShare.of(file, items, rank_plan)
+        name, parts, staged_size = share.name, share.parts, share.staged_size
         path = fsio.join(self.root, name)
         upload_id = s3_plan.uploads.get(file)
         uploader = PartUploader(self.s3, path, upload_id) if parts and upload_id is not None else None
@@ -192,16 +189,14 @@ class S3Store(Store):
         stream: Any = MultipartWriter(self.s3, staged_path, max(fsio.part_bytes(self.fs, staged_size), MIN_PART_BYTES)) if staged_size else contextlib.nullcontext()
         try:
             with stream as staged:
-                results = fill_file(file, file_items, rank_plan, slabs, parts, staged, assembler)
+                results = fill_file(file, share.items, rank_plan, slabs, parts, staged, assembler)
             assembler.check_filled(name, rank_plan.rank)
             etags = tuple(uploader.wait()) if uploader is not None else ()
         except BaseException:
             if uploader is not None:
                 uploader.cancel()
             raise
-        last = results[-1]
-        results[-1] = dataclasses.replace(last, storage_data=dataclasses.replace(last.storage_data, parts=etags))
-        return results
+        return with_parts(results, etags)
 
     def run_task(self, task: GatherTask, rank_plan: RankPlan) -> tuple[int, dict[str, Any] | None]:
         """Gather one part from the ranks' staged runs and upload it (a one-part file: PUT whole)."""
