@@ -1,12 +1,17 @@
-"""One thread-pool helper shared by the writer, the reader and the merge."""
+"""Concurrency helpers shared by the writer, the reader, the merge and the object stores: a
+thread pool (``parallel_map``) and bounded concurrent ranged reads on an fsspec event loop
+(``fetch_spans``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["parallel_map"]
+from fsspec.asyn import sync
+
+__all__ = ["parallel_map", "fetch_spans"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -31,3 +36,22 @@ def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int) -> l
                 f.cancel()
             raise failed[0].exception()  # type: ignore[misc]
         return [f.result() for f in futures]
+
+
+def fetch_spans(loop: Any, read: Callable[[str, int, int], Awaitable[bytes]], spans: Sequence[tuple[str, int, int]], concurrency: int) -> list[bytes]:
+    """``[read(path, start, end) for each span]`` on the event loop ``loop`` (an fsspec async
+    filesystem's), up to ``concurrency`` reads in flight, in the spans' order; an empty span
+    reads nothing. ``read`` is a store's one retried ranged GET."""
+
+    async def fetch_all() -> list[bytes]:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(path: str, start: int, end: int) -> bytes:
+            if end <= start:
+                return b""
+            async with gate:
+                return await read(path, start, end)
+
+        return list(await asyncio.gather(*(one(*span) for span in spans)))
+
+    return sync(loop, fetch_all)

@@ -11,13 +11,13 @@ alone, and fails with a message naming the operation and the blob.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
+from ..io.parallel import fetch_spans
 from ..io.retry import RetryPolicy
 from ..plan.azureplan import block_id
 from .parts import PartRef, PartsClient, quietly
@@ -111,24 +111,15 @@ class Azure(PartsClient):
     # -- reads ----------------------------------------------------------------------------------
 
     def get_spans(self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
-        async def fetch_all() -> list[bytes]:
-            gate = asyncio.Semaphore(concurrency)
+        async def read(path: str, start: int, end: int) -> bytes:
+            async def once() -> bytes:
+                async with self._blob(path) as client:
+                    stream = await client.download_blob(offset=start, length=end - start, max_concurrency=1, **_NO_SDK_RETRY)
+                    return await stream.readall()
 
-            async def one(path: str, start: int, end: int) -> bytes:
-                if end <= start:
-                    return b""
+            return await self.retry.acall(once, operation=f"GET bytes {start}-{end - 1} of", url=self.url(path))
 
-                async def read() -> bytes:
-                    async with self._blob(path) as client:
-                        stream = await client.download_blob(offset=start, length=end - start, max_concurrency=1, **_NO_SDK_RETRY)
-                        return await stream.readall()
-
-                async with gate:
-                    return await self.retry.acall(read, operation=f"GET bytes {start}-{end - 1} of", url=self.url(path))
-
-            return list(await asyncio.gather(*(one(*span) for span in spans)))
-
-        return sync(self.fs.loop, fetch_all)
+        return fetch_spans(self.fs.loop, read, spans, concurrency)
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
         return self.get_spans([(path, start, end)])[0]

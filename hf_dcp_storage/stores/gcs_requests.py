@@ -11,7 +11,6 @@ fails with a message naming the operation and the object.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,7 @@ from urllib.parse import quote
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
-from ..io.parallel import parallel_map
+from ..io.parallel import fetch_spans, parallel_map
 from ..io.retry import RetryPolicy, StoreError
 from ..plan.gcsplan import part_name
 from .base import STAGING_DIR
@@ -132,24 +131,16 @@ class GCS(PartsClient):
     # -- reads ----------------------------------------------------------------------------------
 
     def get_spans(self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
-        async def fetch_all() -> list[bytes]:
-            gate = asyncio.Semaphore(concurrency)
+        async def read(path: str, start: int, end: int) -> bytes:
+            bucket, key = _key(path)
+            target = f"{self.fs._location}/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
+            _, _, data = await self.retry.acall(
+                lambda: self._once("GET", target, alt="media", headers={"Range": f"bytes={start}-{end - 1}"}),
+                operation=f"GET bytes {start}-{end - 1} of", url=self.url(path),
+            )
+            return data
 
-            async def one(path: str, start: int, end: int) -> bytes:
-                if end <= start:
-                    return b""
-                bucket, key = _key(path)
-                target = f"{self.fs._location}/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
-                async with gate:
-                    _, _, data = await self.retry.acall(
-                        lambda: self._once("GET", target, alt="media", headers={"Range": f"bytes={start}-{end - 1}"}),
-                        operation=f"GET bytes {start}-{end - 1} of", url=self.url(path),
-                    )
-                return data
-
-            return list(await asyncio.gather(*(one(*span) for span in spans)))
-
-        return sync(self.fs.loop, fetch_all)
+        return fetch_spans(self.fs.loop, read, spans, concurrency)
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
         return self.get_spans([(path, start, end)])[0]

@@ -18,7 +18,6 @@ gave them to (``plan/spread.py``); the coordinator then completes the upload (``
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from collections import deque
@@ -30,7 +29,7 @@ from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
 from ..io import fsio
-from ..io.parallel import parallel_map
+from ..io.parallel import fetch_spans, parallel_map
 from ..io.retry import RetryPolicy
 from ..plan.s3parts import MIN_PART_BYTES, GatherPart, RankPart
 from ..plan.spread import Source
@@ -110,23 +109,13 @@ class S3:
         """Bytes ``[start, end)`` of each ``(path, start, end)``, of any objects, with up to
         ``concurrency`` GETs in flight."""
 
-        async def fetch_all() -> list[bytes]:
-            gate = asyncio.Semaphore(concurrency)
+        async def read(path: str, start: int, end: int) -> bytes:
+            bucket, key = _bucket_key(path)
+            kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+            r = await self.retry.acall(lambda: self._once("get_object", kwargs), operation=f"GET bytes {start}-{end - 1} of", url=f"s3://{path}")
+            return r["Data"]
 
-            async def one(path: str, start: int, end: int) -> bytes:
-                if end <= start:
-                    return b""
-                bucket, key = _bucket_key(path)
-                kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
-                async with gate:
-                    r = await self.retry.acall(
-                        lambda: self._once("get_object", kwargs), operation=f"GET bytes {start}-{end - 1} of", url=f"s3://{path}"
-                    )
-                return r["Data"]
-
-            return list(await asyncio.gather(*(one(*span) for span in spans)))
-
-        return sync(self.fs.loop, fetch_all)
+        return fetch_spans(self.fs.loop, read, spans, concurrency)
 
     def put(self, path: str, data: bytes | bytearray) -> None:
         bucket, key = _bucket_key(path)
