@@ -235,14 +235,8 @@ def gcs(gcs_endpoint: str) -> Iterator[tuple[str, dict]]:
     import gcsfs
 
     options = gcs_options(gcs_endpoint)
-    bucket = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
-    fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
-    fs.mkdir(bucket)
-    try:
-        yield f"gs://{bucket}", options
-    finally:
-        fs.rm(bucket, recursive=True)
-        gcsfs.GCSFileSystem.clear_instance_cache()
+    with _fresh_root(gcsfs.GCSFileSystem, options) as name:
+        yield f"gs://{name}", options
 
 
 @pytest.fixture
@@ -251,11 +245,18 @@ def azure(azure_endpoint: str) -> Iterator[tuple[str, dict]]:
     import adlfs
 
     options = azure_options(azure_endpoint)
-    container = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
-    fs = adlfs.AzureBlobFileSystem(skip_instance_cache=True, **options)
-    fs.mkdir(container)
+    with _fresh_root(adlfs.AzureBlobFileSystem, options) as name:
+        yield f"az://{name}", options
+
+
+@contextlib.contextmanager
+def _fresh_root(fs_class: type, options: dict) -> Iterator[str]:
+    """A new, empty bucket or container (its name), removed with its contents afterwards."""
+    name = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
+    fs = fs_class(skip_instance_cache=True, **options)
+    fs.mkdir(name)
     try:
-        yield f"az://{container}", options
+        yield name
     finally:
-        fs.rm(container, recursive=True)
-        adlfs.AzureBlobFileSystem.clear_instance_cache()
+        fs.rm(name, recursive=True)
+        fs_class.clear_instance_cache()
