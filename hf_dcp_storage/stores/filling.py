@@ -104,14 +104,15 @@ def fill_file(
 ) -> list[WriteResult]:
     """(each rank) Route every byte of ``file_items`` (one file's, in write order): into this
     rank's own parts through ``assembler``, or appended to ``staged`` (the rank's staged object
-    of the file; ``None`` when nothing is staged). Each result records where the item's bytes
-    begin in the staged object and its CRC32 contribution."""
+    of the file; ``None`` when nothing is staged). Each result records the item's CRC32
+    contribution; where its bytes sit in the staged object is not recorded, since the
+    coordinator's plan (``placed.staged``) already says, for the gathering and for ``hf-dcp
+    consolidate`` alike."""
     starts = [p.start for p in parts]
     results: list[WriteResult] = []
-    staged_pos = 0
     for item in file_items:
         start = rank_plan.placements[item.index].tensor_start
-        crc, first_staged, nbytes = CrcAccumulator(), staged_pos, 0
+        crc, nbytes = CrcAccumulator(), 0
         for runs, data in slabs(item):
             nbytes += len(data)
             for tensor_off, chunk_off, n in runs:
@@ -122,10 +123,9 @@ def fill_file(
                     piece = run[at - run_start : at - run_start + take]
                     if part is None:
                         staged.write(piece)
-                        staged_pos += take
                     else:
                         assembler.add(part, at, piece)
-        results.append(WriteResult(item.index, nbytes, Written(file, first_staged, crc.contribution(tensor_bytes(item)))))
+        results.append(WriteResult(item.index, nbytes, Written(file, None, crc.contribution(tensor_bytes(item)))))
     return results
 
 
