@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,8 @@ from hypothesis import strategies as st
 
 from _jobs import run_job
 from hf_dcp_storage import CheckpointManager, HFStorageReader, HFStorageWriter
-from hf_dcp_storage.io.direct import ALIGN, MIN_DIRECT, interior
+from hf_dcp_storage.io.direct import ALIGN, MIN_DIRECT, DirectWriter, interior, open_direct
+from hf_dcp_storage.plan.layout import DATA_ALIGN
 
 # Row counts and widths that put every rank boundary off a page (and some tensors under
 # MIN_DIRECT, written buffered whole).
@@ -48,6 +50,95 @@ def test_the_direct_part_of_a_run_is_whole_pages_inside_it(offset: int, n: int) 
         return
     assert start % ALIGN == 0 and end % ALIGN == 0 and offset <= start < end <= offset + n
     assert start - offset < ALIGN and offset + n - end < ALIGN  # every whole page of the run
+
+
+def _whole_pages(start: int, end: int) -> int:
+    return max(0, end // ALIGN * ALIGN - -(-start // ALIGN) * ALIGN)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    st.integers(0, 3 * ALIGN),  # where the first stream starts
+    st.lists(st.lists(st.integers(1, 3 * ALIGN + 7), min_size=1, max_size=6), min_size=1, max_size=4),  # each stream's run lengths
+    st.booleans(),
+)
+def test_streams_write_their_bytes_and_only_their_own_whole_pages_direct(tmp_path_factory, first: int, runs: list[list[int]], threaded: bool) -> None:
+    """Neighbouring streams (ranks' byte ranges meeting inside a page) split into runs at
+    arbitrary offsets: the file holds every byte, and each stream wrote directly exactly the
+    whole pages of its own range (a page it shares goes through the page cache)."""
+    path = tmp_path_factory.mktemp("streams") / "f.bin"
+    lead = MIN_DIRECT + ALIGN + 5  # every stream's first run has an interior to write directly
+    streams, pos = [], first
+    for lengths in runs:
+        sizes = [lead, *lengths]
+        streams.append((pos, sizes))
+        pos += sum(sizes)
+    data = torch.randint(0, 256, (pos,), dtype=torch.uint8, generator=torch.Generator().manual_seed(pos)).numpy().tobytes()
+    with open(path, "wb") as f:
+        f.truncate(pos)
+    fd, direct_fd = os.open(path, os.O_WRONLY), open_direct(str(path), write=True)
+    assert direct_fd is not None, "the test folder's filesystem takes O_DIRECT"
+    writer = DirectWriter(buffers=2, piece=4 * ALIGN)  # pieces smaller than a run: several per run
+    done: dict[int, int] = {}
+
+    def write(k: int) -> None:
+        start, sizes = streams[k]
+        stream, at = writer.stream(direct_fd, fd), start
+        for n in sizes:
+            stream.write(memoryview(data)[at : at + n], at)
+            at += n
+        stream.close()
+        done[k] = stream.direct
+
+    try:
+        if threaded:
+            threads = [threading.Thread(target=write, args=(k,)) for k in range(len(streams))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for k in range(len(streams)):
+                write(k)
+        writer.close()
+    finally:
+        os.close(fd)
+        os.close(direct_fd)
+    assert path.read_bytes()[first:] == data[first:]
+    assert done == {k: _whole_pages(start, start + sum(sizes)) for k, (start, sizes) in enumerate(streams)}
+
+
+def test_a_failed_direct_write_fails_the_writer_with_its_error(tmp_path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(4 * MIN_DIRECT))
+    fd = os.open(path, os.O_WRONLY)
+    read_only = os.open(path, os.O_RDONLY | os.O_DIRECT)  # a write through it fails (EBADF)
+    writer = DirectWriter(buffers=1)
+    try:
+        stream = writer.stream(read_only, fd)
+        stream.write(memoryview(bytes(2 * MIN_DIRECT)), 0)
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            writer.close()
+        with pytest.raises(RuntimeError, match="a stream wrote after the writer was closed"):
+            writer.stream(read_only, fd).write(memoryview(bytes(2 * MIN_DIRECT)), 0)
+    finally:
+        writer.close(check=False)
+        os.close(fd)
+        os.close(read_only)
+
+
+def test_every_file_s_data_starts_on_a_page(tmp_path) -> None:
+    from safetensors import safe_open
+
+    dcp.save(_full(), storage_writer=HFStorageWriter(str(tmp_path / "ck"), max_shard_size="2MB"), no_dist=True)
+    files = sorted((tmp_path / "ck").glob("*.safetensors"))
+    assert len(files) > 1
+    for f in files:
+        raw = f.read_bytes()
+        assert (8 + int.from_bytes(raw[:8], "little")) % DATA_ALIGN == 0, f.name
+        with safe_open(str(f), "pt") as opened:  # the padded header is plain safetensors
+            for key in opened.keys():
+                assert torch.equal(opened.get_tensor(key), _full()[key]), key
 
 
 def _save(rank: int, world: int, base: str, layout: str) -> dict[str, int]:

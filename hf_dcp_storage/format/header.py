@@ -3,8 +3,9 @@
 The format (safetensors ``README.md``): an 8-byte little-endian ``u64`` N, then N bytes of
 UTF-8 JSON mapping each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
 (offsets relative to the end of the header) plus an optional string-to-string
-``__metadata__``, padded with spaces so the data starts 8-byte aligned; then the tensor data,
-row-major, little-endian, with no holes between tensors.
+``__metadata__``, padded with spaces so the data starts 8-byte aligned (or more: a reader
+takes any amount of trailing whitespace); then the tensor data, row-major, little-endian, with
+no holes between tensors.
 """
 
 from __future__ import annotations
@@ -101,16 +102,20 @@ def dtype_name(dtype: torch.dtype, *, key: str | None = None) -> str:
         ) from None
 
 
-def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Encode a complete header: length prefix, compact JSON, space padding to 8 bytes.
+def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str] | None = None, *, align: int = 8) -> bytes:
+    """Encode a complete header: length prefix, compact JSON, space padding to ``align`` bytes
+    (a multiple of 8), so the data starts at a multiple of ``align``.
 
-    Entries keep the given order (which is also the data order). The encoding matches what
-    the safetensors library writes for the same names, order and metadata.
+    Entries keep the given order (which is also the data order). With ``align=8`` the encoding
+    matches what the safetensors library writes for the same names, order and metadata.
 
     Raises:
         ValueError: a dtype safetensors cannot store (``dtype_name``), or a name or metadata
-            string UTF-8 cannot encode (a lone surrogate such as ``"\\ud800"``), named.
+            string UTF-8 cannot encode (a lone surrogate such as ``"\\ud800"``), named; or
+            ``align`` not a positive multiple of 8.
     """
+    if align <= 0 or align % 8:
+        raise ValueError(f"encode_header(align={align}): the data's alignment must be a positive multiple of 8 (safetensors aligns to 8)")
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {_utf8(k, "metadata key"): _utf8(v, f"metadata value of {k!r}") for k, v in metadata.items()}
@@ -121,7 +126,7 @@ def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str] | 
             "data_offsets": [e.begin, e.end],
         }
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    body += b" " * (-(8 + len(body)) % 8)
+    body += b" " * (-(8 + len(body)) % align)
     return struct.pack("<Q", len(body)) + body
 
 

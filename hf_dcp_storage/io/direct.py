@@ -11,6 +11,11 @@ cache, which keeps them coherent. A read takes the aligned superset of a run int
 and copies the run out. Runs under ``MIN_DIRECT`` bytes go through the page cache whole: a
 system call per small run costs more than the cache.
 
+A save's direct writes are pipelined (``DirectWriter``): the I/O threads checksum a run and copy
+its interior into one of a few aligned buffers, and a writer thread of the save issues the
+``O_DIRECT`` writes, so the device is never idle while the next piece is checksummed and copied
+(one after the other, those CPU steps cost 0.25 s per GiB here, half the device's write time).
+
 Where a filesystem refuses ``O_DIRECT`` (ramfs, some network and FUSE filesystems: ``open``
 fails with ``EINVAL``), ``open_direct`` says so and the caller falls back to buffered I/O.
 """
@@ -21,17 +26,26 @@ import errno
 import logging
 import mmap
 import os
+import queue
 import threading
 
-from .fsio import open_rw, pread_into, pwrite_all
+import numpy as np
 
-__all__ = ["ALIGN", "MIN_DIRECT", "check_direct_io", "interior", "open_direct", "Descriptors", "AlignedBuffers", "pwrite_run", "pread_run"]
+from .fsio import open_rw, pread_into, pwrite_all
+from .slabs import SLAB_BYTES
+
+__all__ = ["ALIGN", "MIN_DIRECT", "check_direct_io", "interior", "open_direct", "Descriptors", "AlignedBuffers", "DirectWriter", "DirectStream", "pread_run"]
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 # Smaller runs (column shards of narrow rows, norms) go through the page cache whole.
 MIN_DIRECT = 256 << 10
+# A save's aligned buffers (each one piece of an interior, being filled or being written) and the
+# threads writing them: one write in flight per rank kept the device as busy as the raw O_DIRECT
+# loop does, two or three were no faster (benchmarks/results/2026-12_direct-io-*.md).
+WRITE_BUFFERS = 4
+WRITE_THREADS = 1
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -125,22 +139,97 @@ def interior(offset: int, n: int) -> tuple[int, int]:
     return (start, end) if end - start >= MIN_DIRECT else (offset, offset)
 
 
-def pwrite_run(direct_fd: int, buffered_fd: int, data: memoryview, offset: int, buffers: AlignedBuffers) -> int:
-    """Write ``data`` at ``offset``: its aligned interior direct, its edges buffered. Returns the
-    bytes written directly (0 for a run under ``MIN_DIRECT``)."""
-    start, end = interior(offset, len(data))
-    if start == end:
-        pwrite_all(buffered_fd, data, offset)
-        return 0
-    head, interior_bytes = start - offset, end - start
-    if head:
-        pwrite_all(buffered_fd, data[:head], offset)
-    buf = buffers.get(interior_bytes)
-    buf[:interior_bytes] = data[head : head + interior_bytes]
-    pwrite_all(direct_fd, buf[:interior_bytes], start)
-    if head + interior_bytes < len(data):
-        pwrite_all(buffered_fd, data[head + interior_bytes :], end)
-    return interior_bytes
+class DirectWriter:
+    """The direct writes of one rank's save, pipelined: the store's I/O threads write through
+    streams (``stream``), which copy the whole pages of their runs into free aligned buffers, a piece of
+    up to ``piece`` bytes each, and queue them; ``threads`` threads of this writer issue the
+    ``O_DIRECT`` writes. At most ``buffers`` pieces are filled or in flight, so the memory is
+    ``buffers x piece`` (64 MiB) whatever the model.
+
+    Who calls what: any number of threads make and use streams (one per thread and file run
+    each); the owner calls ``close`` once every stream is closed, and in any case before the
+    descriptors are closed: it waits for every queued write. A failed write is raised by
+    ``close`` (and by the next stream write); the writes queued after it are dropped, not written.
+    """
+
+    def __init__(self, *, buffers: int = WRITE_BUFFERS, threads: int = WRITE_THREADS, piece: int = SLAB_BYTES) -> None:
+        if piece % ALIGN or piece <= 0 or buffers < 1 or threads < 1:
+            raise ValueError(f"DirectWriter(buffers={buffers}, threads={threads}, piece={piece}): needs buffers, threads >= 1 and piece a positive multiple of {ALIGN}")
+        self.piece, self.buffers, self.nthreads = piece, buffers, threads
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._made = 0
+        self._jobs: queue.SimpleQueue[tuple[int, mmap.mmap, int, int] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def stream(self, direct_fd: int, buffered_fd: int) -> DirectStream:
+        """A stream of contiguous bytes into the file of ``direct_fd`` / ``buffered_fd``."""
+        return DirectStream(self, direct_fd, buffered_fd)
+
+    def queue_pages(self, direct_fd: int, start: int, pre: bytes, data: memoryview, nbytes: int) -> None:
+        """Queue ``pre + data[: nbytes - len(pre)]`` for direct writing at ``start``: ``start``
+        and ``nbytes`` whole pages, ``pre`` shorter than a page. ``data`` may be reused once
+        this returns."""
+        source = np.frombuffer(data, np.uint8) if len(data) else np.empty(0, np.uint8)
+        lead = len(pre)
+        for pos in range(0, nbytes, self.piece):
+            n = min(self.piece, nbytes - pos)
+            buf = self._acquire()
+            dest = np.frombuffer(buf, np.uint8, n)
+            # numpy copies without the GIL: the writer thread's next write is not held up.
+            if pos == 0 and lead:
+                dest[:lead] = np.frombuffer(pre, np.uint8)
+                np.copyto(dest[lead:], source[: n - lead])
+            else:
+                np.copyto(dest, source[pos - lead : pos - lead + n])
+            self._jobs.put((direct_fd, buf, n, start + pos))
+
+    def close(self, *, check: bool = True) -> None:
+        """Wait for every queued write and stop the threads; then (``check``) raise the first
+        failed write's error. Idempotent."""
+        with self._lock:
+            threads, self._threads, self._closed = self._threads, [], True
+        for _ in threads:
+            self._jobs.put(None)
+        for t in threads:
+            t.join()
+        error, self._error = self._error, None
+        if check and error is not None:
+            raise error
+
+    def _acquire(self) -> mmap.mmap:
+        """A free buffer (made while fewer than ``buffers`` exist, else waited for); starts the
+        threads at the first call."""
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DirectWriter: a stream wrote after the writer was closed")
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._run, name=f"hf_dcp_storage-direct-{i}", daemon=True) for i in range(self.nthreads)]
+                for t in self._threads:
+                    t.start()
+            if self._made < self.buffers:
+                self._made += 1
+                return mmap.mmap(-1, self.piece)
+        buf = self._free.get()
+        if self._error is not None:
+            self._free.put(buf)
+            raise self._error
+        return buf
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fd, buf, n, pos = job
+            try:
+                if self._error is None:
+                    pwrite_all(fd, memoryview(buf)[:n], pos)
+            except BaseException as exc:  # noqa: BLE001 - handed to the save's threads, raised there
+                self._error = self._error or exc
+            finally:
+                self._free.put(buf)
 
 
 def pread_run(direct_fd: int, buffered_fd: int, view: memoryview, offset: int, buffers: AlignedBuffers, *, where: str) -> int:
@@ -159,7 +248,8 @@ def pread_run(direct_fd: int, buffered_fd: int, view: memoryview, offset: int, b
     buf = buffers.get(span)
     got = max(0, os.preadv(direct_fd, [buf[:span]], start) - (offset - start))  # of the run's bytes
     useful = min(got, n)
-    view[:useful] = buf[offset - start : offset - start + useful]
+    # numpy copies without the GIL: the other I/O threads' reads complete meanwhile.
+    np.copyto(np.frombuffer(view, np.uint8, useful), np.frombuffer(buf, np.uint8, useful, offset - start))
     if useful < n:
         # A short direct read (the file's end, or an unusual one): the rest through the page
         # cache, where a truncated file fails naming itself.
@@ -169,3 +259,54 @@ def pread_run(direct_fd: int, buffered_fd: int, view: memoryview, offset: int, b
 
 def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+class DirectStream:
+    """One I/O thread's contiguous bytes in one file (a write item's runs, slab after slab),
+    through a ``DirectWriter``: the whole pages inside them go direct, and the bytes after a
+    run's last whole page (fewer than a page) wait for the next run, which completes the page,
+    so consecutive slabs go direct without a seam. Only the stream's first and last partial
+    pages, which a neighbouring rank's bytes may share, go through the page cache; a stream
+    holding fewer than ``MIN_DIRECT`` bytes of whole pages at its start goes through it whole.
+
+    Not thread-safe: one per thread and run of bytes; ``close`` writes the last partial page,
+    before the writer's ``close``.
+
+    Attributes:
+        direct: bytes queued for direct writing so far.
+    """
+
+    def __init__(self, writer: DirectWriter, direct_fd: int, buffered_fd: int) -> None:
+        self._writer, self._direct_fd, self._fd = writer, direct_fd, buffered_fd
+        self._carry, self._carry_at = b"", 0
+        self.direct = 0
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Write ``data`` at ``offset`` (``data`` may be reused once this returns)."""
+        if self._carry and self._carry_at + len(self._carry) == offset:
+            start, pre = self._carry_at, self._carry
+        else:
+            self.close()
+            first, end = interior(offset, len(data))
+            if first == end:  # under MIN_DIRECT: a system call per small run costs more than the cache
+                pwrite_all(self._fd, data, offset)
+                return
+            if first > offset:
+                pwrite_all(self._fd, data[: first - offset], offset)
+                data = data[first - offset :]
+            start, pre = first, b""
+        total = len(pre) + len(data)
+        whole = total // ALIGN * ALIGN
+        if not whole:
+            self._carry = pre + bytes(data)
+            return
+        self._writer.queue_pages(self._direct_fd, start, pre, data, whole)
+        self.direct += whole
+        rest = total - whole  # from data's end: whole covers at least a page, more than pre
+        self._carry, self._carry_at = (bytes(data[len(data) - rest :]) if rest else b""), start + whole
+
+    def close(self) -> None:
+        """Write the partial page the stream ends in (through the page cache). Idempotent."""
+        if self._carry:
+            pwrite_all(self._fd, memoryview(self._carry), self._carry_at)
+            self._carry = b""

@@ -34,7 +34,14 @@ __all__ = [
     "layout_from_files",
     "whole_tensor_metadata",
     "index_bytes",
+    "DATA_ALIGN",
 ]
+
+# Where each file's tensor data starts: a page boundary (the header padded with spaces, at most
+# 4 KiB more per file), so a tensor whose bytes are whole pages (most weights) lies on whole
+# pages and goes to disk with O_DIRECT without a buffered edge (io/direct.py); every store and
+# both write paths use the same layout, so the bytes do not depend on how they were written.
+DATA_ALIGN = 4096
 
 _UNITS = {
     "": 1, "b": 1,
@@ -257,7 +264,7 @@ def plan_layout(
         for spec in group:
             entries.append(TensorEntry(spec.key, spec.dtype, spec.shape, pos, pos + spec.nbytes))
             pos += spec.nbytes
-        header = encode_header(entries, FORMAT_METADATA)
+        header = encode_header(entries, FORMAT_METADATA, align=DATA_ALIGN)
         files.append(FilePlan(shard_name(i + 1, total), header, tuple(entries)))
         for e in entries:
             file_of[e.name] = i

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.crc import CrcAccumulator
 from ..io import fsio
-from ..io.direct import AlignedBuffers, Descriptors, pwrite_run
+from ..io.direct import Descriptors, DirectWriter
 from ..io.parallel import parallel_map
 from ..io.retry import RetryPolicy
 from ..plan.layout import Layout
@@ -64,20 +64,21 @@ class LocalStore(Store):
 
     def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         files = Descriptors(write=True, direct=self.direct_io is not False, required=self.direct_io is True)
-        buffers = AlignedBuffers()
+        pipeline = DirectWriter()
 
         def write_item(item: WriteItem) -> WriteResult:
             place = rank_plan.placements[item.index]
             fd, direct_fd = files.open(fsio.join(self.root, rank_plan.files[place.file]))
-            nbytes = direct = 0
+            stream = pipeline.stream(direct_fd, fd) if direct_fd is not None else None
+            nbytes = 0
             crc = CrcAccumulator()
             for runs, data in slabs(item):
                 first = last = None
                 for tensor_off, chunk_off, n in runs:
                     run = data[chunk_off : chunk_off + n]
                     crc.update(tensor_off, run)  # while the run is still in cache
-                    if direct_fd is not None:
-                        direct += pwrite_run(direct_fd, fd, run, place.tensor_start + tensor_off, buffers)
+                    if stream is not None:
+                        stream.write(run, place.tensor_start + tensor_off)
                         continue
                     fsio.pwrite_all(fd, run, place.tensor_start + tensor_off)
                     first = tensor_off if first is None else first
@@ -85,12 +86,18 @@ class LocalStore(Store):
                 if first is not None:
                     fsio.start_writeback(fd, place.tensor_start + first, last - first)
                 nbytes += len(data)
+            direct = 0
+            if stream is not None:
+                stream.close()
+                direct = stream.direct
             return WriteResult(item.index, nbytes, Written(place.file, None, crc.contribution(tensor_bytes(item)), direct=direct))
 
         try:
             results = parallel_map(write_item, items, self.threads)
+            pipeline.close()  # every queued direct write done (or its error raised)
             files.sync()  # durable before we report success: the coordinator commits on our word
         finally:
+            pipeline.close(check=False)  # after a failure too: no write may outlive its descriptor
             files.close()
         return results
 
