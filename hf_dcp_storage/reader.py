@@ -6,7 +6,6 @@ import dataclasses
 import math
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .format.crc import crc32_of
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
@@ -278,7 +278,7 @@ class HFStorageReader(StorageReader):
             buf = torch.empty((*rows, *stored.shape[1:]), dtype=stored.dtype)
             view = memoryview(buf.reshape(-1).view(torch.uint8).numpy()).cast("B")
             fill(stored, [(r0 * row_bytes, 0, len(view))] if stored.shape else [(0, 0, itemsize)], view)
-            crc = zlib.crc32(view, crc)
+            crc = crc32_of(view, crc)
             for item, target in targets:
                 if not stored.shape:
                     target.copy_(buf)

@@ -205,3 +205,18 @@ def test_crc32c_of_pieces_is_the_crc32c_of_their_concatenation() -> None:
     assert crc32c_from_gcs(base64.b64encode(want.to_bytes(4, "big")).decode()) == want
     with pytest.raises(ValueError, match=r"crc32c='AAA=' is not base64 of a 4-byte CRC32C"):
         crc32c_from_gcs("AAA=")
+
+
+def test_the_fast_backend_is_installed_and_gives_zlib_s_values() -> None:
+    """The dev set installs zlib-ng (setup.cfg asks for it): its CRC-32 is zlib's, on any length,
+    continued from any value, on memoryviews of tensor bytes as the writer passes them."""
+    from hf_dcp_storage.format.crc import CRC32_BACKEND
+
+    assert CRC32_BACKEND == "zlib-ng"
+    rng = random.Random(11)
+    data = rng.randbytes(3 << 20)
+    for n in (0, 1, 7, 4096, 5 * 1024 + 3, len(data)):
+        start = rng.getrandbits(32)
+        assert crc32_of(memoryview(data)[:n], start) == zlib.crc32(data[:n], start), n
+    with pytest.raises(BufferError):
+        crc32_of(memoryview(data)[::2])

@@ -22,10 +22,22 @@ Call sequence: (every rank, per tensor) one :class:`CrcAccumulator` per writing 
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Iterable
 
+try:
+    # zlib-ng's CRC-32 (carry-less multiply: PCLMULQDQ/VPCLMULQDQ, PMULL) gives zlib's value
+    # at ~30 GB/s on this VM's cores, where the stdlib's zlib 1.2.13 gives ~6 GB/s: a save
+    # checksums every byte it writes, and at 6 GB/s that alone took a fifth of a direct save.
+    from zlib_ng.zlib_ng import crc32 as _crc32
+
+    CRC32_BACKEND = "zlib-ng"
+except ImportError:  # a platform without zlib-ng's wheel: the same values, slower
+    from zlib import crc32 as _crc32
+
+    CRC32_BACKEND = "zlib"
+
 __all__ = [
+    "CRC32_BACKEND",
     "crc32_of",
     "crc32_shift",
     "crc32_combine",
@@ -39,17 +51,17 @@ _POLY = 0xEDB88320
 _X8 = 1 << 23
 
 
-def crc32_of(data: bytes | bytearray | memoryview) -> int:
-    """``zlib.crc32(data)``: the CRC32 of a C-contiguous buffer, as an unsigned 32-bit int.
+def crc32_of(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``: the CRC32 of a C-contiguous buffer (continuing from the CRC
+    ``value`` of the bytes before it), as an unsigned 32-bit int, computed by ``CRC32_BACKEND``.
 
-    zlib releases the GIL for buffers over 5 KiB and CPython loops over lengths beyond
-    ``UINT_MAX`` itself, so callers need not chunk: one call per slab already being written is
-    both the fastest and the simplest (the bytes are still in cache).
+    Both backends release the GIL for buffers over 5 KiB and take any length, so callers need
+    not chunk: one call per slab already being written is both the fastest and the simplest.
 
     Raises:
         BufferError: ``data`` is not C-contiguous (make it so, e.g. ``tensor.contiguous()``).
     """
-    return zlib.crc32(data)
+    return _crc32(data, value)
 
 
 def crc32_shift(crc: int, nbytes: int) -> int:
@@ -147,10 +159,10 @@ class CrcAccumulator:
         n = memoryview(data).nbytes
         if start >= self._end:
             self._fold(start, 0)  # shift over the gap; zlib then appends the run
-            self._acc = zlib.crc32(data, self._acc)
+            self._acc = _crc32(data, self._acc)
             self._end = start + n
         else:
-            self._fold(start + n, zlib.crc32(data))
+            self._fold(start + n, _crc32(data))
         self.nbytes += n
 
     def merge(self, other: CrcAccumulator) -> None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import bisect
 import functools
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..format.crc import crc32_combine
+from ..format.crc import crc32_combine, crc32_of
 from ..io.files import ReadRange
 from ..io.parallel import parallel_map
 from .progress import Progress
@@ -104,7 +103,7 @@ def _block_crcs(read_range: ReadRange, job: FileJob, start: int, end: int) -> li
     for i in job.overlapping(start, end):
         t = job.tensors[i]
         a, b = max(start, t.start), min(end, t.end)
-        out.append((i, zlib.crc32(view[a - start : b - start]), b - a))
+        out.append((i, crc32_of(view[a - start : b - start]), b - a))
     return out
 
 
