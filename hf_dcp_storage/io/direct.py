@@ -3,18 +3,19 @@ page-aligned buffers, the unaligned edges through the page cache.
 
 A direct write or read must start at a file offset, cover a length and use a buffer address
 that are all multiples of the device's logical block size; ``ALIGN`` (4 KiB, a page) is a
-multiple of every one in use. A run ``[f, f + n)`` is written as its head ``[f, A)`` and tail
-``[B, f + n)`` buffered and its interior ``[A, B)`` (A, B the aligned bounds inside it) direct,
-through a thread's aligned buffer: the pages a rank writes directly hold only its own bytes,
-so no page is ever written directly by two ranks, and the pages they share go through the page
-cache, which keeps them coherent. A read takes the aligned superset of a run into the buffer
+multiple of every one in use. A rank's contiguous bytes ``[f, g)`` (a tensor shard, slab after
+slab) are written as their whole pages ``[A, B)`` (A, B the aligned bounds inside) direct and
+their partial first and last pages buffered: the pages a rank writes directly hold only its own
+bytes, so no page is ever written directly by two ranks, and the pages they share go through the
+page cache, which keeps them coherent. A read takes the aligned superset of a run into a buffer
 and copies the run out. Runs under ``MIN_DIRECT`` bytes go through the page cache whole: a
 system call per small run costs more than the cache.
 
-A save's direct writes are pipelined (``DirectWriter``): the I/O threads checksum a run and copy
-its interior into one of a few aligned buffers, and a writer thread of the save issues the
-``O_DIRECT`` writes, so the device is never idle while the next piece is checksummed and copied
-(one after the other, those CPU steps cost 0.25 s per GiB here, half the device's write time).
+A save's direct writes are pipelined (``DirectWriter``, ``DirectStream``): the I/O threads
+checksum a slab and copy its pages into one of a few aligned buffers, and a writer thread of the
+save issues the ``O_DIRECT`` writes, so the device is not idle while the next slab is
+checksummed and copied (done one after the other, the CPU steps cost about half the device's
+write time here).
 
 Where a filesystem refuses ``O_DIRECT`` (ramfs, some network and FUSE filesystems: ``open``
 fails with ``EINVAL``), ``open_direct`` says so and the caller falls back to buffered I/O.
@@ -41,9 +42,10 @@ logger = logging.getLogger(__name__)
 ALIGN = 4096
 # Smaller runs (column shards of narrow rows, norms) go through the page cache whole.
 MIN_DIRECT = 256 << 10
-# A save's aligned buffers (each one piece of an interior, being filled or being written) and the
-# threads writing them: one write in flight per rank kept the device as busy as the raw O_DIRECT
-# loop does, two or three were no faster (benchmarks/results/2026-12_direct-io-*.md).
+# A save's aligned buffers (each one piece of a run's pages, being filled or being written) and
+# the threads writing them: with one write in flight per rank the writer is busy the whole save
+# and the I/O threads wait for buffers; two writer threads were no faster, with the files
+# preallocated or not (benchmarks/results/2026-12_direct-io-pipelined-cpu-2core.md).
 WRITE_BUFFERS = 4
 WRITE_THREADS = 1
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -141,9 +143,9 @@ def interior(offset: int, n: int) -> tuple[int, int]:
 
 class DirectWriter:
     """The direct writes of one rank's save, pipelined: the store's I/O threads write through
-    streams (``stream``), which copy the whole pages of their runs into free aligned buffers, a piece of
-    up to ``piece`` bytes each, and queue them; ``threads`` threads of this writer issue the
-    ``O_DIRECT`` writes. At most ``buffers`` pieces are filled or in flight, so the memory is
+    streams (``stream``), which copy the whole pages of their runs into free aligned buffers,
+    a piece of up to ``piece`` bytes each, and queue them; ``threads`` threads of this writer
+    issue the ``O_DIRECT`` writes. At most ``buffers`` pieces are filled or in flight, so the memory is
     ``buffers x piece`` (64 MiB) whatever the model.
 
     Who calls what: any number of threads make and use streams (one per thread and file run

@@ -4,9 +4,10 @@ writes, so nothing is left to consolidate.
 The coordinator creates every file at its final size with its header (``prepare``); each rank
 writes its byte runs where they belong and fsyncs before it reports; the coordinator's
 ``complete`` only makes the folder's entries durable. Where the filesystem takes ``O_DIRECT``
-(``direct_io``), the aligned interior of each run goes to disk directly from an aligned buffer
-and only the edges through the page cache (``io/direct.py``): the save's time no longer depends
-on when writeback runs, and its bytes do not evict the page cache the training job uses.
+(``direct_io``), the whole pages of each rank's runs go to disk directly, from aligned buffers a
+writer thread writes while the next slab is checksummed and copied, and only the partial pages
+at their ends through the page cache (``io/direct.py``): the save's time no longer depends on
+when writeback runs, and its bytes do not evict the page cache the training job uses.
 Otherwise each slab's writeback is started as soon as it is written.
 """
 
