@@ -89,7 +89,7 @@ class HFStorageWriter(StorageWriter):
             the others stop waiting and fail the save, naming it. Every live rank signals every
             ``rank_timeout / 10`` s (at most 5 s) while it writes, so a slow rank is never cut
             off. Default 120 s (the store's own timeout, 30 min, would apply otherwise).
-        direct_io: local disk: each run's aligned interior written with ``O_DIRECT`` (``None``:
+        direct_io: local disk: the whole pages of each rank's runs written with ``O_DIRECT`` (``None``:
             where the filesystem takes it; ``True``: or an error; ``False``: never), the same
             bytes either way; ``merge_stats.direct_io_bytes`` says how much went direct.
 

@@ -98,3 +98,18 @@ def test_malformed_headers_are_rejected_with_clear_messages(raw: bytes, message:
     with pytest.raises(HeaderError, match=message) as info:
         decode_header(raw, file_size=len(raw), where="f.safetensors")
     assert str(info.value).startswith("f.safetensors: ")
+
+
+@pytest.mark.parametrize("align", [4096, 64])
+def test_a_wider_alignment_pads_the_same_json_to_it(align: int) -> None:
+    entries = [TensorEntry("w", torch.float32, (2, 2), 0, 16)]
+    raw = encode_header(entries, align=align)
+    assert len(raw) % align == 0
+    assert raw[8:].rstrip(b" ") == encode_header(entries)[8:].rstrip(b" ")
+    assert decode_header(raw + bytes(16))[2] == len(raw)
+
+
+@pytest.mark.parametrize("align", [0, 12, -8])
+def test_an_alignment_safetensors_cannot_take_is_refused_naming_it(align: int) -> None:
+    with pytest.raises(ValueError, match=rf"encode_header\(align={align}\): the data's alignment must be a positive multiple of 8"):
+        encode_header([], align=align)

@@ -1,5 +1,5 @@
-"""Direct I/O on local disk (``O_DIRECT``): the aligned interior of each byte run, from and into
-page-aligned buffers, the unaligned edges through the page cache.
+"""Direct I/O on local disk (``O_DIRECT``): the whole pages of a rank's byte runs, from and into
+page-aligned buffers, the partial pages at their ends through the page cache.
 
 A direct write or read must start at a file offset, cover a length and use a buffer address
 that are all multiples of the device's logical block size; ``ALIGN`` (4 KiB, a page) is a
@@ -149,7 +149,7 @@ class DirectWriter:
     ``buffers x piece`` (64 MiB) whatever the model.
 
     Who calls what: any number of threads make and use streams (one per thread and file run
-    each); the owner calls ``close`` once every stream is closed, and in any case before the
+    each); the owner calls ``close`` once every stream is flushed, and in any case before the
     descriptors are closed: it waits for every queued write. A failed write is raised by
     ``close`` (and by the next stream write); the writes queued after it are dropped, not written.
     """
@@ -271,7 +271,7 @@ class DirectStream:
     pages, which a neighbouring rank's bytes may share, go through the page cache; a stream
     holding fewer than ``MIN_DIRECT`` bytes of whole pages at its start goes through it whole.
 
-    Not thread-safe: one per thread and run of bytes; ``close`` writes the last partial page,
+    Not thread-safe: one per thread and run of bytes; ``flush`` writes the last partial page,
     before the writer's ``close``.
 
     Attributes:
@@ -288,7 +288,7 @@ class DirectStream:
         if self._carry and self._carry_at + len(self._carry) == offset:
             start, pre = self._carry_at, self._carry
         else:
-            self.close()
+            self.flush()  # not contiguous: the held partial page is an end of its run
             first, end = interior(offset, len(data))
             if first == end:  # under MIN_DIRECT: a system call per small run costs more than the cache
                 pwrite_all(self._fd, data, offset)
@@ -307,7 +307,7 @@ class DirectStream:
         rest = total - whole  # from data's end: whole covers at least a page, more than pre
         self._carry, self._carry_at = (bytes(data[len(data) - rest :]) if rest else b""), start + whole
 
-    def close(self) -> None:
+    def flush(self) -> None:
         """Write the partial page the stream ends in (through the page cache). Idempotent."""
         if self._carry:
             pwrite_all(self._fd, memoryview(self._carry), self._carry_at)

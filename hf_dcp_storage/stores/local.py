@@ -89,7 +89,7 @@ class LocalStore(Store):
                 nbytes += len(data)
             direct = 0
             if stream is not None:
-                stream.close()
+                stream.flush()
                 direct = stream.direct
             return WriteResult(item.index, nbytes, Written(place.file, None, crc.contribution(tensor_bytes(item)), direct=direct))
 
