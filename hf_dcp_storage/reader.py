@@ -236,6 +236,7 @@ class HFStorageReader(StorageReader):
                 parallel_map(lambda item: self._read_item(item, planner, fill), items, self.thread_count)
         finally:
             files.close()
+            buffers.close()  # every read done: the aligned buffers are the next load's or save's
             if self._host is not None:
                 self._host.drain()  # the destinations hold every byte before DCP returns them
         fut: Future[None] = Future()

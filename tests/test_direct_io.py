@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 
 from _jobs import run_job
 from hf_dcp_storage import CheckpointManager, HFStorageReader, HFStorageWriter
-from hf_dcp_storage.io.direct import ALIGN, MIN_DIRECT, DirectWriter, interior, open_direct
+from hf_dcp_storage.io import aligned
+from hf_dcp_storage.io.aligned import AlignedPool
+from hf_dcp_storage.io.direct import ALIGN, MIN_DIRECT, WRITE_BUFFERS, AlignedBuffers, DirectWriter, interior, open_direct, pread_run
 from hf_dcp_storage.plan.layout import DATA_ALIGN
 
 # Row counts and widths that put every rank boundary off a page (and some tensors under
@@ -78,7 +80,7 @@ def test_streams_write_their_bytes_and_only_their_own_whole_pages_direct(tmp_pat
         f.truncate(pos)
     fd, direct_fd = os.open(path, os.O_WRONLY), open_direct(str(path), write=True)
     assert direct_fd is not None, "the test folder's filesystem takes O_DIRECT"
-    writer = DirectWriter(buffers=2, piece=4 * ALIGN)  # pieces smaller than a run: several per run
+    writer = DirectWriter(buffers=2, pool=AlignedPool(4 * ALIGN))  # pieces smaller than a run: several per run
     done: dict[int, int] = {}
 
     def write(k: int) -> None:
@@ -125,6 +127,74 @@ def test_a_failed_direct_write_fails_the_writer_with_its_error(tmp_path) -> None
         writer.close(check=False)
         os.close(fd)
         os.close(read_only)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.integers(0, 5 * ALIGN), st.integers(MIN_DIRECT, MIN_DIRECT + 9 * ALIGN), st.integers(-3 * ALIGN, 3 * ALIGN))
+def test_a_direct_read_of_a_run_longer_than_its_buffer_reads_every_byte(tmp_path_factory, offset: int, n: int, cut: int) -> None:
+    """A run read a buffer at a time (buffers of a few pages here: many per run), whatever its
+    offset and length; a file that ends inside the run (``cut`` < 0) is an error naming it."""
+    path = tmp_path_factory.mktemp("reads") / "f.bin"
+    size = offset + n + cut
+    data = torch.randint(0, 256, (max(size, 0),), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy().tobytes()
+    path.write_bytes(data)
+    fd, direct_fd = os.open(path, os.O_RDONLY), open_direct(str(path), write=False)
+    assert direct_fd is not None
+    buffers = AlignedBuffers(AlignedPool(3 * ALIGN))
+    out = bytearray(n)
+    try:
+        if cut < 0:
+            with pytest.raises(ValueError, match=r"the file\.bin: unexpected end of file at byte \d+; the file is truncated"):
+                pread_run(direct_fd, fd, memoryview(out), offset, buffers, where="the file.bin")
+            assert out[: size - offset] == data[offset:]  # up to the file's end, read
+        else:
+            read = pread_run(direct_fd, fd, memoryview(out), offset, buffers, where="the file.bin")
+            assert bytes(out) == data[offset : offset + n]
+            assert read >= n  # all of it directly: the aligned superset
+    finally:
+        buffers.close()
+        os.close(fd)
+        os.close(direct_fd)
+
+
+def test_the_aligned_buffers_are_kept_for_the_next_save_and_load(tmp_path) -> None:
+    """A direct save gives its buffers back and the next save takes the same ones (not new
+    mappings), as a load does; ``release`` unmaps them, and more than ``keep`` are not kept."""
+    aligned.POOL.release()
+    dcp.save(_full(), storage_writer=HFStorageWriter(str(tmp_path / "a"), direct_io=True), no_dist=True)
+    kept = list(aligned.POOL._free)
+    assert 0 < len(kept) <= WRITE_BUFFERS
+    dcp.save(_full(), storage_writer=HFStorageWriter(str(tmp_path / "b"), direct_io=True), no_dist=True)
+    assert sorted(map(id, aligned.POOL._free)) == sorted(map(id, kept))
+    dcp.load({k: torch.zeros_like(t) for k, t in _full().items()}, storage_reader=HFStorageReader(str(tmp_path / "b"), direct_io=True), no_dist=True)
+    assert {id(b) for b in aligned.POOL._free} == {id(b) for b in kept}
+    aligned.POOL.release()
+    assert aligned.POOL.free == 0 and all(b.closed for b in kept)
+
+    pool = AlignedPool(ALIGN, keep=2)
+    bufs = [pool.take() for _ in range(3)]
+    for b in bufs:
+        pool.give(b)
+    assert pool.free == 2 and bufs[2].closed and not bufs[0].closed
+    with pytest.raises(ValueError, match=r"AlignedPool\(nbytes=100, keep=1\): needs nbytes a positive multiple of the page size"):
+        AlignedPool(100, keep=1)
+
+
+def test_a_forked_child_starts_with_an_empty_pool(tmp_path) -> None:
+    dcp.save(_full(), storage_writer=HFStorageWriter(str(tmp_path / "a"), direct_io=True), no_dist=True)
+    assert aligned.POOL.free > 0
+    pid = os.fork()
+    if pid == 0:  # the child: none of the parent's buffers, and a pool that works (its lock is new)
+        code = 1
+        try:
+            if aligned.POOL.free == 0:
+                aligned.POOL.give(aligned.POOL.take())
+                code = 0 if aligned.POOL.free == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert aligned.POOL.free > 0  # the parent's are still there
 
 
 def test_every_file_s_data_starts_on_a_page(tmp_path) -> None:

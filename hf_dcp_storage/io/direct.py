@@ -7,8 +7,10 @@ multiple of every one in use. A rank's contiguous bytes ``[f, g)`` (a tensor sha
 slab) are written as their whole pages ``[A, B)`` (A, B the aligned bounds inside) direct and
 their partial first and last pages buffered: the pages a rank writes directly hold only its own
 bytes, so no page is ever written directly by two ranks, and the pages they share go through the
-page cache, which keeps them coherent. A read takes the aligned superset of a run into a buffer
-and copies the run out. Runs under ``MIN_DIRECT`` bytes go through the page cache whole: a
+page cache, which keeps them coherent. A read takes the aligned superset of a run into a buffer,
+a buffer at a time, and copies the run out. The buffers come from the process's pool
+(``io/aligned.py``) and go back to it, so only the process's first direct save or load pays
+for making them. Runs under ``MIN_DIRECT`` bytes go through the page cache whole: a
 system call per small run costs more than the cache.
 
 A save's direct writes are pipelined (``DirectWriter``, ``DirectStream``): the I/O threads
@@ -32,8 +34,8 @@ import threading
 
 import numpy as np
 
+from .aligned import POOL, AlignedPool
 from .fsio import open_rw, pread_into, pwrite_all
-from .slabs import SLAB_BYTES
 
 __all__ = ["ALIGN", "MIN_DIRECT", "check_direct_io", "interior", "open_direct", "Descriptors", "AlignedBuffers", "DirectWriter", "DirectStream", "pread_run"]
 
@@ -118,20 +120,31 @@ class Descriptors:
 
 
 class AlignedBuffers:
-    """One page-aligned buffer per thread (anonymous ``mmap``: page-aligned by construction),
-    grown to the largest request; its pages are resident only once touched."""
+    """One aligned buffer per thread for a load's direct reads, taken from ``pool`` at the
+    thread's first read and given back by ``close`` (the owner's, once every read is done)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: AlignedPool = POOL) -> None:
+        self.pool = pool
         self._local = threading.local()
+        self._taken: list[mmap.mmap] = []
+        self._lock = threading.Lock()
 
-    def get(self, nbytes: int) -> memoryview:
-        """A writable page-aligned view of at least ``nbytes`` (valid until this thread's next call)."""
-        held: mmap.mmap | None = getattr(self._local, "buf", None)
-        if held is None or len(held) < nbytes:
-            if held is not None:
-                held.close()
-            held = self._local.buf = mmap.mmap(-1, _round_up(max(nbytes, ALIGN)))
-        return memoryview(held)
+    def get(self) -> mmap.mmap:
+        """This thread's buffer (``pool.nbytes`` bytes, page-aligned), valid until ``close``."""
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = self.pool.take()
+            with self._lock:
+                self._taken.append(buf)
+        return buf
+
+    def close(self) -> None:
+        """Give every thread's buffer back to the pool. Idempotent."""
+        with self._lock:
+            taken, self._taken = self._taken, []
+        self._local = threading.local()
+        for buf in taken:
+            self.pool.give(buf)
 
 
 def interior(offset: int, n: int) -> tuple[int, int]:
@@ -144,9 +157,10 @@ def interior(offset: int, n: int) -> tuple[int, int]:
 class DirectWriter:
     """The direct writes of one rank's save, pipelined: the store's I/O threads write through
     streams (``stream``), which copy the whole pages of their runs into free aligned buffers,
-    a piece of up to ``piece`` bytes each, and queue them; ``threads`` threads of this writer
-    issue the ``O_DIRECT`` writes. At most ``buffers`` pieces are filled or in flight, so the memory is
-    ``buffers x piece`` (64 MiB) whatever the model.
+    a piece of up to ``pool.nbytes`` bytes each, and queue them; ``threads`` threads of this
+    writer issue the ``O_DIRECT`` writes. At most ``buffers`` pieces are filled or in flight, so
+    the memory is ``buffers x pool.nbytes`` (64 MiB) whatever the model; the buffers are taken
+    from ``pool`` and given back by ``close``, for the process's next save.
 
     Who calls what: any number of threads make and use streams (one per thread and file run
     each); the owner calls ``close`` once every stream is flushed, and in any case before the
@@ -154,12 +168,12 @@ class DirectWriter:
     ``close`` (and by the next stream write); the writes queued after it are dropped, not written.
     """
 
-    def __init__(self, *, buffers: int = WRITE_BUFFERS, threads: int = WRITE_THREADS, piece: int = SLAB_BYTES) -> None:
-        if piece % ALIGN or piece <= 0 or buffers < 1 or threads < 1:
-            raise ValueError(f"DirectWriter(buffers={buffers}, threads={threads}, piece={piece}): needs buffers, threads >= 1 and piece a positive multiple of {ALIGN}")
-        self.piece, self.buffers, self.nthreads = piece, buffers, threads
+    def __init__(self, *, buffers: int = WRITE_BUFFERS, threads: int = WRITE_THREADS, pool: AlignedPool = POOL) -> None:
+        if pool.nbytes % ALIGN or buffers < 1 or threads < 1:
+            raise ValueError(f"DirectWriter(buffers={buffers}, threads={threads}, pool of {pool.nbytes}-byte buffers): needs buffers, threads >= 1 and buffers of whole {ALIGN}-byte pages")
+        self.pool, self.piece, self.buffers, self.nthreads = pool, pool.nbytes, buffers, threads
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-        self._made = 0
+        self._taken: list[mmap.mmap] = []
         self._jobs: queue.SimpleQueue[tuple[int, mmap.mmap, int, int] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -189,21 +203,25 @@ class DirectWriter:
             self._jobs.put((direct_fd, buf, n, start + pos))
 
     def close(self, *, check: bool = True) -> None:
-        """Wait for every queued write and stop the threads; then (``check``) raise the first
-        failed write's error. Idempotent."""
+        """Wait for every queued write and stop the threads, give the buffers back to the pool;
+        then (``check``) raise the first failed write's error. Idempotent."""
         with self._lock:
             threads, self._threads, self._closed = self._threads, [], True
         for _ in threads:
             self._jobs.put(None)
         for t in threads:
             t.join()
+        # No write is in flight and no stream is filling a buffer (close comes after them).
+        taken, self._taken = self._taken, []
+        for buf in taken:
+            self.pool.give(buf)
         error, self._error = self._error, None
         if check and error is not None:
             raise error
 
     def _acquire(self) -> mmap.mmap:
-        """A free buffer (made while fewer than ``buffers`` exist, else waited for); starts the
-        threads at the first call."""
+        """A free buffer (taken from the pool while fewer than ``buffers`` are, else waited
+        for); starts the threads at the first call."""
         if self._error is not None:
             raise self._error
         with self._lock:
@@ -213,9 +231,10 @@ class DirectWriter:
                 self._threads = [threading.Thread(target=self._run, name=f"hf_dcp_storage-direct-{i}", daemon=True) for i in range(self.nthreads)]
                 for t in self._threads:
                     t.start()
-            if self._made < self.buffers:
-                self._made += 1
-                return mmap.mmap(-1, self.piece)
+            if len(self._taken) < self.buffers:
+                buf = self.pool.take()
+                self._taken.append(buf)
+                return buf
         buf = self._free.get()
         if self._error is not None:
             self._free.put(buf)
@@ -235,8 +254,8 @@ class DirectWriter:
 
 
 def pread_run(direct_fd: int, buffered_fd: int, view: memoryview, offset: int, buffers: AlignedBuffers, *, where: str) -> int:
-    """Fill ``view`` from ``offset``: the run's aligned superset read directly and copied out
-    (a run under ``MIN_DIRECT``: buffered). Returns the bytes read directly.
+    """Fill ``view`` from ``offset``: the run's aligned superset read directly, a buffer at a
+    time, and copied out (a run under ``MIN_DIRECT``: buffered). Returns the bytes read directly.
 
     Raises:
         ValueError: the file ends before the run does (truncated), naming ``where``.
@@ -245,18 +264,25 @@ def pread_run(direct_fd: int, buffered_fd: int, view: memoryview, offset: int, b
     if n < MIN_DIRECT:
         pread_into(buffered_fd, view, offset, where=where)
         return 0
-    start = offset // ALIGN * ALIGN
-    span = _round_up(offset + n) - start
-    buf = buffers.get(span)
-    got = max(0, os.preadv(direct_fd, [buf[:span]], start) - (offset - start))  # of the run's bytes
-    useful = min(got, n)
-    # numpy copies without the GIL: the other I/O threads' reads complete meanwhile.
-    np.copyto(np.frombuffer(view, np.uint8, useful), np.frombuffer(buf, np.uint8, useful, offset - start))
-    if useful < n:
+    buf = buffers.get()
+    start, end, step = offset // ALIGN * ALIGN, _round_up(offset + n), len(buf)
+    done = read = 0  # the run's bytes filled, the bytes read directly
+    for pos in range(start, end, step):
+        span = min(step, end - pos)
+        got = os.preadv(direct_fd, [memoryview(buf)[:span]], pos)
+        read += got
+        take = min(pos + got, offset + n) - (offset + done)  # of the run's bytes, from the next one
+        if take > 0:
+            # numpy copies without the GIL: the other I/O threads' reads complete meanwhile.
+            np.copyto(np.frombuffer(view, np.uint8, take, done), np.frombuffer(buf, np.uint8, take, offset + done - pos))
+            done += take
+        if got < span:
+            break
+    if done < n:
         # A short direct read (the file's end, or an unusual one): the rest through the page
         # cache, where a truncated file fails naming itself.
-        pread_into(buffered_fd, view[useful:], offset + useful, where=where)
-    return span
+        pread_into(buffered_fd, view[done:], offset + done, where=where)
+    return read
 
 
 def _round_up(n: int) -> int:
