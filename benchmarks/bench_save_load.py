@@ -15,6 +15,12 @@ Save contenders (all write the same bytes):
                O_DIRECT where the filesystem takes it)
   j  odirect   each rank writes its shards' bytes to its own file with O_DIRECT from one 16 MiB
                page-aligned buffer, then fsync (the device's floor)
+  m  ours_baseline  a, with the library imported from --baseline DIR (a checkout of another
+               revision, e.g. ``git worktree add DIR REV``): before/after in one interleaved run
+``--cast``: the savers' state dict is float32 (the same values) and a, i, m save it as bfloat16
+(``HFSavePlanner(save_dtype=torch.bfloat16)``), j casts into its buffer: every slab is copied on
+its way out, as from a GPU; the files hold the same bytes as without it, but for the NaNs of
+the random bits, which the cast makes canonical (the check of the saved files expects that).
 Load contenders (into a freshly allocated Shard(0) DTensor state dict; all read the files of a):
   e  ours_load    HFStorageReader
   f  pt_hf_load   torch HuggingFaceStorageReader
@@ -64,7 +70,8 @@ from _harness import (
     write_report,
 )
 
-SAVE = {"a": "ours", "b": "pt_hf", "c": "pt_fs", "d": "plain", "i": "ours_buffered", "j": "odirect"}
+SAVE = {"a": "ours", "b": "pt_hf", "c": "pt_fs", "d": "plain", "i": "ours_buffered", "j": "odirect", "m": "ours_baseline"}
+CAST_OK = ("ours", "ours_buffered", "odirect", "ours_baseline")  # the savers --cast applies to
 LOAD = {"e": "ours_load", "f": "pt_hf_load", "g": "st_load_file", "h": "st_load_file_pread", "k": "ours_load_direct", "l": "odirect_read"}
 RAW_BLOCK = 16 << 20  # the raw O_DIRECT contenders' one aligned buffer
 SINGLE = ("st_load_file", "st_load_file_pread")
@@ -100,18 +107,19 @@ def _raw_buffer():
 
 def _odirect_write(sd, path: str) -> None:
     """Each local shard's bytes, back to back, with O_DIRECT from one aligned buffer (the
-    process's, kept from the warm-up); the tail (a partial page) is padded to the page and the
-    file truncated to its true size."""
+    process's, kept from the warm-up), in bfloat16 (a float32 shard is cast as it is copied in);
+    the tail (a partial page) is padded to the page and the file truncated to its true size."""
     buf = _raw_buffer()
+    dest = torch.frombuffer(buf, dtype=torch.bfloat16)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
         pos = fill = 0
         for v in sd.values():
-            data = memoryview(v.to_local().view(torch.uint8).numpy()).cast("B") if v.to_local().numel() else memoryview(b"")
-            while data:
-                take = min(len(data), RAW_BLOCK - fill)
-                buf[fill : fill + take] = data[:take]
-                fill, data = fill + take, data[take:]
+            data = v.to_local().reshape(-1)
+            while data.numel():
+                take = min(data.numel(), (RAW_BLOCK - fill) // 2)
+                dest[fill // 2 : fill // 2 + take].copy_(data[:take])
+                fill, data = fill + 2 * take, data[take:]
                 if fill == RAW_BLOCK:
                     pos += os.pwrite(fd, buf, pos)
                     fill = 0
@@ -142,12 +150,13 @@ def _odirect_read(path: str) -> int:
 def _save_call(name: str, sd, out: str, rank: int, cfg: dict):
     import torch.distributed.checkpoint as dcp
 
-    if name in ("ours", "ours_buffered"):
-        from hf_dcp_storage import HFStorageWriter
+    if name in ("ours", "ours_buffered", "ours_baseline"):
+        from hf_dcp_storage import HFSavePlanner, HFStorageWriter
 
         kw = {} if cfg["threads"] is None else {"thread_count": cfg["threads"]}
-        kw["direct_io"] = None if name == "ours" else False
-        return lambda: dcp.save(sd, storage_writer=HFStorageWriter(out, max_shard_size=cfg["max_shard_size"], **kw))
+        kw["direct_io"] = False if name == "ours_buffered" else None
+        planner = HFSavePlanner(save_dtype=torch.bfloat16) if cfg["cast"] else None
+        return lambda: dcp.save(sd, storage_writer=HFStorageWriter(out, max_shard_size=cfg["max_shard_size"], **kw), planner=planner)
     if name == "odirect":
         os.makedirs(out, exist_ok=True)
         return lambda: _odirect_write(sd, os.path.join(out, f"rank{rank:05d}.bin"))
@@ -204,7 +213,7 @@ def _warmup(name: str, mesh, rank: int, world: int, scratch: str, cfg: dict) -> 
     if name == "odirect_read":
         return  # reads a file of its own; nothing to warm (O_DIRECT bypasses the cache)
     if name in SAVE.values():
-        sd = dtensor_state_dict([(k, (world * r, c)) for k, (r, c) in WARM_SAVE], mesh, rank, world, fill="data")
+        sd = _savers_state_dict(dtensor_state_dict([(k, (world * r, c)) for k, (r, c) in WARM_SAVE], mesh, rank, world, fill="data"), cfg)
         _save_call(name, sd, scratch, rank, cfg)()
     else:
         # Load the tiny checkpoint written by our writer (both readers read it).
@@ -215,9 +224,20 @@ def _warmup(name: str, mesh, rank: int, world: int, scratch: str, cfg: dict) -> 
         _load_call(name, dtensor_state_dict(spec, mesh, rank, world, fill="zeros"), scratch, cfg)()
 
 
+def _savers_state_dict(sd: dict, cfg: dict) -> dict:
+    """``sd`` as the savers get it: as it is, or (``--cast``) the same values in float32."""
+    if not cfg["cast"]:
+        return sd
+    from torch.distributed.tensor import DTensor
+
+    return {k: DTensor.from_local(v.to_local().float(), v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()) for k, v in sd.items()}
+
+
 def rank_main(rank: int, world: int, job: dict) -> None:
     """One rank of one measurement (spawned fresh)."""
     torch.set_num_threads(job["cfg"]["torch_threads"])
+    if job["name"] == "ours_baseline":
+        sys.path.insert(0, job["cfg"]["baseline"])  # before anything here imports hf_dcp_storage
     dist, mesh = init_dist(rank, world, job["rdzv"])
     name, cfg = job["name"], job["cfg"]
     spec = [(k, tuple(s)) for k, s in job["spec"]]
@@ -230,6 +250,8 @@ def rank_main(rank: int, world: int, job: dict) -> None:
             shutil.rmtree(job["scratch"], ignore_errors=True)
 
     sd = dtensor_state_dict(spec, mesh, rank, world, fill="data" if is_save else "zeros")
+    if is_save:
+        sd = _savers_state_dict(sd, cfg)
     call = _save_call(name, sd, job["out"], rank, cfg) if is_save else _load_call(name, sd, job["src"], cfg)
     timed = timed_call(dist, call)
 
@@ -248,6 +270,9 @@ def rank_main(rank: int, world: int, job: dict) -> None:
         extra["verify_n_bad"] = len(bad)
         extra["verify_s"] = time.perf_counter() - t1
 
+    import hf_dcp_storage
+
+    extra["library"] = os.path.dirname(os.path.dirname(hf_dcp_storage.__file__))
     per_rank = {"rank": rank, "call_s": timed.call_s, "wall_s": timed.wall_s, **timed.mem, **extra}
     gather_results(dist, rank, world, per_rank, job["result"])
     dist.destroy_process_group()
@@ -339,6 +364,8 @@ def verify_consolidated_main(job: dict) -> None:
                 handles[fn] = safe_open(os.path.join(src, fn), framework="pt")
             got = handles[fn].get_tensor(k)
             full = torch.cat([make_shard(k, shapes[k], r, world) for r in range(world)])
+            if job["cfg"]["cast"]:
+                full = full.float().to(torch.bfloat16)  # the cast makes every NaN the canonical one
             if not same_bits(got, full):
                 bad.append(k)
     finally:
@@ -570,6 +597,8 @@ def parse_args(argv=None):
                    help="page cache state for loads (cold needs a writable /proc/sys/vm/drop_caches; default both)")
     p.add_argument("--threads", type=int, default=None,
                    help="thread_count passed to every storage that has one (default: each library's own default)")
+    p.add_argument("--cast", action="store_true", help="save a float32 state dict as bfloat16 (a, i, j, m only; see above)")
+    p.add_argument("--baseline", default=None, help="contender m's library: the root of a checkout of another revision")
     p.add_argument("--max-shard-size", default="5GB", help="HFStorageWriter max_shard_size (default 5GB)")
     p.add_argument("--sample-ms", type=float, default=5.0,
                    help="RSS sampling period in ms; 0 turns the sampling thread off (ru_maxrss only)")
@@ -588,6 +617,12 @@ def main(argv=None) -> int:
     selected = select(args.only, ALL)
     save_names = [n for n in SAVE.values() if n in selected]
     load_names = [n for n in LOAD.values() if n in selected]
+    if args.cast and set(save_names) - set(CAST_OK):
+        raise SystemExit(f"--cast applies to {', '.join(CAST_OK)}; not to {', '.join(sorted(set(save_names) - set(CAST_OK)))}")
+    if ("ours_baseline" in save_names) != (args.baseline is not None):
+        raise SystemExit("contender m (ours_baseline) and --baseline DIR go together")
+    if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "hf_dcp_storage", "__init__.py")):
+        raise SystemExit(f"--baseline {args.baseline}: no hf_dcp_storage package there (give the root of a checkout)")
 
     d = model_dims(args.size_gb)
     spec = model_spec(d)
@@ -621,6 +656,8 @@ def main(argv=None) -> int:
         "torch_threads": max(1, cpu // args.ranks),
         "torch_threads_single": cpu,
         "size_bytes": size,
+        "cast": args.cast,
+        "baseline": os.path.abspath(args.baseline) if args.baseline else None,
     }
     env = {
         **env_record(("safetensors", "hf_dcp_storage"), work=work),

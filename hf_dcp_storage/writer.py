@@ -336,7 +336,7 @@ class HFStorageWriter(StorageWriter):
         store = self.store
         assert store is not None
         try:
-            results = store.write(items, rank_plan, lambda item: item_slabs(item, planner, self._host_buffers))
+            results = store.write(items, rank_plan, lambda item, place=None: item_slabs(item, planner, self._host_buffers, place))
             store.put(fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), rank_record(rank_plan.save_id, rank_plan.rank, items, results).encode())
         except BaseException:
             store.abort(rank_plan)

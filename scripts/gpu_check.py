@@ -13,7 +13,8 @@ side (``cuda``: the tensors on the GPUs; ``cpu``: the same values on CPU DTensor
 
 * ``save``: ``dcp.save`` to local disk, wall time (max over ranks) and GB/s, with the default
   ``direct_io`` (``O_DIRECT`` where the filesystem takes it: ``direct MiB`` says how much went
-  direct) and the host buffers the slabs went through (``pinned buffers``); ``save buffered``:
+  direct) and the pinned buffers the slabs went through (``pinned buffers``: host buffers, and
+  the page-locked aligned buffers a direct save copies device slabs into); ``save buffered``:
   the same with ``direct_io=False``, whose files must be byte-identical;
 * ``load``: ``dcp.load`` into zeroed tensors of the same placement, checked equal to the saved ones;
 * ``load_fp32``: the same into float32 destinations (the dtype converted on the destination's device);
@@ -54,6 +55,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hf_dcp_storage import CheckpointManager, HFStorageReader, HFStorageWriter
+from hf_dcp_storage.io import aligned
 
 GB = 1e9
 
@@ -131,6 +133,7 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
         out["save_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=writer))
         out["direct_io_mib"] = writer.merge_stats.direct_io_bytes / 2**20
         out["pinned_buffers"] = writer._host.made if writer._host is not None and writer._host.pin else 0
+        out["pinned_aligned"] = len(aligned._PINNED)  # the direct writes' buffers the slabs were copied into
         out["save_buffered_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=HFStorageWriter(root / f"{side}_buffered", direct_io=False)))
         back = _state_dict(spec, mesh, fill=False)
         out["load_s"] = _timed(side, lambda: dcp.load(back, storage_reader=HFStorageReader(root / f"{side}_sync")))
@@ -189,7 +192,7 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
 
 def _table(per_rank: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| tensors on | GB | save s (GB/s) | direct MiB | pinned buffers | save buffered s | load s (GB/s) | load into fp32 s | async: blocked / total s "
+        "| tensors on | GB | save s (GB/s) | direct MiB | pinned buffers: host / aligned | save buffered s | load s (GB/s) | load into fp32 s | async: blocked / total s "
         "| process async: blocked / total s | extra peak host RSS/rank MiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -197,7 +200,7 @@ def _table(per_rank: list[dict[str, Any]]) -> list[str]:
         worst = {k: max(r["results"][side][k] for r in per_rank) for k in per_rank[0]["results"][side]}
         gb = per_rank[0]["results"][side]["bytes"] / GB  # global sizes: the same on every rank
         lines.append(
-            f"| {side} | {gb:.2f} | {worst['save_s']:.2f} ({gb / worst['save_s']:.2f}) | {worst['direct_io_mib']:.0f} | {worst['pinned_buffers']} | "
+            f"| {side} | {gb:.2f} | {worst['save_s']:.2f} ({gb / worst['save_s']:.2f}) | {worst['direct_io_mib']:.0f} | {worst['pinned_buffers']} / {worst['pinned_aligned']} | "
             f"{worst['save_buffered_s']:.2f} | {worst['load_s']:.2f} ({gb / worst['load_s']:.2f}) | {worst['load_fp32_s']:.2f} | "
             f"{worst['async_blocked_s']:.2f} / {worst['async_total_s']:.2f} | {worst['process_blocked_s']:.2f} / {worst['process_total_s']:.2f} | {worst['extra_peak_rss_mib']:.0f} |"
         )

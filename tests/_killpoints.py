@@ -91,8 +91,8 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
     elif moment == "early-write":
         slabs = writer.item_slabs
 
-        def first_slab_then_die(item: Any, planner: Any, host: Any) -> Any:
-            it = slabs(item, planner, host)
+        def first_slab_then_die(item: Any, planner: Any, host: Any, place: Any = None) -> Any:
+            it = slabs(item, planner, host, place)
             yield next(it)  # the caller writes it before asking for more
             if rank == 1 and first_one():
                 die()

@@ -63,11 +63,13 @@ def _whole_pages(start: int, end: int) -> int:
     st.integers(0, 3 * ALIGN),  # where the first stream starts
     st.lists(st.lists(st.integers(1, 3 * ALIGN + 7), min_size=1, max_size=6), min_size=1, max_size=4),  # each stream's run lengths
     st.booleans(),
+    st.integers(0, (1 << 28) - 1),
 )
-def test_streams_write_their_bytes_and_only_their_own_whole_pages_direct(tmp_path_factory, first: int, runs: list[list[int]], threaded: bool) -> None:
+def test_streams_write_their_bytes_and_only_their_own_whole_pages_direct(tmp_path_factory, first: int, runs: list[list[int]], threaded: bool, placed: int) -> None:
     """Neighbouring streams (ranks' byte ranges meeting inside a page) split into runs at
     arbitrary offsets: the file holds every byte, and each stream wrote directly exactly the
-    whole pages of its own range (a page it shares goes through the page cache)."""
+    whole pages of its own range (a page it shares goes through the page cache). Runs whose bit
+    in ``placed`` is set are put where ``reserve`` says (no copy), where it gives a place."""
     path = tmp_path_factory.mktemp("streams") / "f.bin"
     lead = MIN_DIRECT + ALIGN + 5  # every stream's first run has an interior to write directly
     streams, pos = [], first
@@ -80,14 +82,20 @@ def test_streams_write_their_bytes_and_only_their_own_whole_pages_direct(tmp_pat
         f.truncate(pos)
     fd, direct_fd = os.open(path, os.O_WRONLY), open_direct(str(path), write=True)
     assert direct_fd is not None, "the test folder's filesystem takes O_DIRECT"
-    writer = DirectWriter(buffers=2, pool=AlignedPool(4 * ALIGN))  # pieces smaller than a run: several per run
+    # Buffers smaller than most runs: several pieces per run, and runs too long to be placed.
+    writer = DirectWriter(buffers=2, pool=AlignedPool((MIN_DIRECT >> 12 << 12) + 4 * ALIGN))
     done: dict[int, int] = {}
 
     def write(k: int) -> None:
         start, sizes = streams[k]
         stream, at = writer.stream(direct_fd, fd), start
-        for n in sizes:
-            stream.write(memoryview(data)[at : at + n], at)
+        for j, n in enumerate(sizes):
+            run = memoryview(data)[at : at + n]
+            view = stream.reserve(at, n) if placed >> (7 * k + j) & 1 else None
+            if view is not None:
+                view[:] = run
+                run = view
+            stream.write(run, at)
             at += n
         stream.flush()
         done[k] = stream.direct
@@ -155,6 +163,33 @@ def test_a_direct_read_of_a_run_longer_than_its_buffer_reads_every_byte(tmp_path
         buffers.close()
         os.close(fd)
         os.close(direct_fd)
+
+
+def test_a_whole_slab_at_any_page_shift_is_placed_and_written_from_its_buffer(tmp_path) -> None:
+    """A slab of SLAB_BYTES a few bytes into a page (the usual case) fits a buffer of the
+    process's pool, so a slab that needs a copy anyway is copied once, into it."""
+    from hf_dcp_storage.io.slabs import SLAB_BYTES
+
+    path, at = tmp_path / "f.bin", 4 * ALIGN + 2
+    data = torch.randint(0, 256, (SLAB_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).numpy().tobytes()
+    path.write_bytes(bytes(at + SLAB_BYTES + 7))
+    fd, direct_fd = os.open(path, os.O_WRONLY), open_direct(str(path), write=True)
+    assert direct_fd is not None
+    writer = DirectWriter()
+    try:
+        stream = writer.stream(direct_fd, fd)
+        view = stream.reserve(at, SLAB_BYTES)
+        assert view is not None and len(view) == SLAB_BYTES
+        view[:] = data
+        stream.write(view, at)
+        stream.flush()
+        writer.close()
+        assert stream.direct == (at + SLAB_BYTES) // ALIGN * ALIGN - 5 * ALIGN  # every whole page
+    finally:
+        writer.close(check=False)
+        os.close(fd)
+        os.close(direct_fd)
+    assert path.read_bytes()[at : at + SLAB_BYTES] == data
 
 
 def test_the_aligned_buffers_are_kept_for_the_next_save_and_load(tmp_path) -> None:
@@ -228,6 +263,40 @@ def _save(rank: int, world: int, base: str, layout: str) -> dict[str, int]:
     for k, t in sd.items():
         assert torch.equal(dest[k].to_local(), t.to_local()), k
     return out
+
+
+LONG = ("embed", "proj")  # every rank's shard a run long enough to go direct
+
+
+def _save_cast(rank: int, world: int, base: str) -> dict[str, object]:
+    """float32 shards saved as bfloat16 (each slab cast on its way out), direct and buffered."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_dcp_storage import HFSavePlanner
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = {k: t.float() for k, t in _full().items() if k in LONG}
+    sd = {k: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for k, t in full.items()}
+    out: dict[str, object] = {}
+    for mode, flag in (("direct", True), ("buffered", False)):
+        writer = HFStorageWriter(f"{base}/{mode}", direct_io=flag, max_shard_size="2MB")
+        dcp.save(sd, storage_writer=writer, planner=HFSavePlanner(save_dtype=torch.bfloat16))
+        out[mode] = writer.merge_stats.direct_io_bytes if dist.get_rank() == 0 else None
+        out[f"{mode}_host_buffers"] = 0 if writer._host is None else writer._host.made
+    return out
+
+
+@pytest.mark.distributed
+def test_a_cast_save_copies_its_slabs_straight_into_the_direct_buffers(tmp_path) -> None:
+    """A slab that needs a copy (cast here; on CUDA, the device-to-host copy) is copied into the
+    aligned buffer it is written from, not into a host buffer first: the same bytes as the
+    buffered save, and the direct save used no host buffer for its long runs."""
+    stats = run_job(_save_cast, 2, str(tmp_path), timeout=180).check_returned()
+    assert _folder(tmp_path / "direct") == _folder(tmp_path / "buffered")
+    assert stats[0]["direct"] > 0.8 * sum(_full()[k].numel() * 2 for k in LONG), stats
+    assert [(s["direct_host_buffers"], s["buffered_host_buffers"] > 0) for s in stats] == [(0, True)] * 2, stats
 
 
 @pytest.mark.distributed

@@ -6,7 +6,10 @@ which measured here 27 ms and 5-14 ms for the four 16 MiB buffers of a save, abo
 a 1 GB save's time. So the buffers go back to this pool when a save or load is done, and the
 next one takes them as they are. The pool keeps at most ``keep`` free buffers (``KEEP_BUFFERS``,
 64 MiB); more are unmapped when given back, and ``release`` unmaps the free ones, for a
-process that wants the memory back between saves.
+process that wants the memory back between saves. Where the process uses CUDA, each buffer is
+page-locked once (``cudaHostRegister``, as PyTorch's own DCP stager does), so that a slab's
+device-to-host copy lands in it at the bus's speed (``io/hostbuf.copy_into``), and unlocked
+before it is unmapped.
 
 Who calls what: the direct writes of a save (``io/direct.DirectWriter``) and the direct reads
 of a load (``io/direct.pread_run``), from any thread; a pool is thread-safe. A forked child
@@ -15,17 +18,27 @@ starts with an empty pool of its own (the parent's buffers are the parent's).
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
 import os
 import threading
+import weakref
+
+import torch
 
 from .slabs import SLAB_BYTES
 
-__all__ = ["KEEP_BUFFERS", "AlignedPool", "POOL"]
+__all__ = ["KEEP_BUFFERS", "BUFFER_BYTES", "AlignedPool", "POOL"]
+
+logger = logging.getLogger(__name__)
 
 # One save's direct writes in flight and being filled (io/direct.WRITE_BUFFERS), or the reads of
 # four I/O threads: 64 MiB of the process's memory between saves.
 KEEP_BUFFERS = 4
+# A slab (SLAB_BYTES) at any shift inside its first page: copied into a buffer at its place in its
+# pages (io/direct.DirectStream.reserve), it is written from there without another copy.
+BUFFER_BYTES = SLAB_BYTES + 4096
 
 
 class AlignedPool:
@@ -36,7 +49,7 @@ class AlignedPool:
         keep: how many free buffers to keep for the next taker; more given back are unmapped.
     """
 
-    def __init__(self, nbytes: int = SLAB_BYTES, keep: int = KEEP_BUFFERS) -> None:
+    def __init__(self, nbytes: int = BUFFER_BYTES, keep: int = KEEP_BUFFERS) -> None:
         if nbytes <= 0 or nbytes % mmap.PAGESIZE or keep < 0:
             raise ValueError(f"AlignedPool(nbytes={nbytes}, keep={keep}): needs nbytes a positive multiple of the page size ({mmap.PAGESIZE}) and keep >= 0")
         self.nbytes, self.keep = nbytes, keep
@@ -49,11 +62,15 @@ class AlignedPool:
         return len(self._free)
 
     def take(self) -> mmap.mmap:
-        """A buffer of ``nbytes``: a kept one (its bytes are whatever they were), else a new one."""
+        """A buffer of ``nbytes``: a kept one (its bytes are whatever they were), else a new one;
+        page-locked where the process uses CUDA."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-        return mmap.mmap(-1, self.nbytes)
+            buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = mmap.mmap(-1, self.nbytes)
+        if buf not in _PINNED and torch.cuda.is_available() and torch.cuda.is_initialized():
+            _pin(buf)
+        return buf
 
     def give(self, buf: mmap.mmap) -> None:
         """Hand ``buf`` back (no one may use it after this); kept while fewer than ``keep`` are."""
@@ -76,7 +93,30 @@ class AlignedPool:
         self._free = []
 
 
+# The buffers page-locked for CUDA (unlocked before they are unmapped).
+_PINNED: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
+
+
+def _address(buf: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # the buffer's export: a close would fail while it lives
+
+
+def _pin(buf: mmap.mmap) -> None:
+    err = int(torch.cuda.cudart().cudaHostRegister(_address(buf), len(buf), 1))  # 1: portable, for every device
+    if err == 0:
+        _PINNED.add(buf)
+    else:  # not fatal: the copies into it go through the driver's own staging, as before
+        logger.debug("cudaHostRegister of a %d-byte aligned buffer failed (cudaError %d): it stays pageable", len(buf), err)
+
+
 def _unmap(buf: mmap.mmap) -> None:
+    if buf in _PINNED:
+        _PINNED.discard(buf)
+        torch.cuda.cudart().cudaHostUnregister(_address(buf))
     try:
         buf.close()
     except BufferError:  # a view of it is still alive somewhere: unmapped when the last one goes

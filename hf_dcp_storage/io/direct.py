@@ -174,7 +174,7 @@ class DirectWriter:
         self.pool, self.piece, self.buffers, self.nthreads = pool, pool.nbytes, buffers, threads
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         self._taken: list[mmap.mmap] = []
-        self._jobs: queue.SimpleQueue[tuple[int, mmap.mmap, int, int] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, mmap.mmap, int, int, int] | None] = queue.SimpleQueue()  # fd, buffer, [lo, hi) of it, file offset
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -192,7 +192,7 @@ class DirectWriter:
         lead = len(pre)
         for pos in range(0, nbytes, self.piece):
             n = min(self.piece, nbytes - pos)
-            buf = self._acquire()
+            buf = self.acquire()
             dest = np.frombuffer(buf, np.uint8, n)
             # numpy copies without the GIL: the writer thread's next write is not held up.
             if pos == 0 and lead:
@@ -200,7 +200,16 @@ class DirectWriter:
                 np.copyto(dest[lead:], source[: n - lead])
             else:
                 np.copyto(dest, source[pos - lead : pos - lead + n])
-            self._jobs.put((direct_fd, buf, n, start + pos))
+            self._jobs.put((direct_fd, buf, 0, n, start + pos))
+
+    def queue_buffer(self, direct_fd: int, buf: mmap.mmap, lo: int, hi: int, start: int) -> None:
+        """Queue ``buf[lo:hi]`` (whole pages, from a page of the buffer; ``buf`` one of this
+        writer's, from ``acquire``) for direct writing at ``start``; the writer owns it after."""
+        self._jobs.put((direct_fd, buf, lo, hi, start))
+
+    def release(self, buf: mmap.mmap) -> None:
+        """Hand back a buffer from ``acquire`` that nothing was queued from."""
+        self._free.put(buf)
 
     def close(self, *, check: bool = True) -> None:
         """Wait for every queued write and stop the threads, give the buffers back to the pool;
@@ -219,7 +228,7 @@ class DirectWriter:
         if check and error is not None:
             raise error
 
-    def _acquire(self) -> mmap.mmap:
+    def acquire(self) -> mmap.mmap:
         """A free buffer (taken from the pool while fewer than ``buffers`` are, else waited
         for); starts the threads at the first call."""
         if self._error is not None:
@@ -243,10 +252,10 @@ class DirectWriter:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fd, buf, n, pos = job
+            fd, buf, lo, hi, pos = job
             try:
                 if self._error is None:
-                    pwrite_all(fd, memoryview(buf)[:n], pos)
+                    pwrite_all(fd, memoryview(buf)[lo:hi], pos)
             except BaseException as exc:  # noqa: BLE001 - handed to the save's threads, raised there
                 self._error = self._error or exc
             finally:
@@ -307,10 +316,33 @@ class DirectStream:
     def __init__(self, writer: DirectWriter, direct_fd: int, buffered_fd: int) -> None:
         self._writer, self._direct_fd, self._fd = writer, direct_fd, buffered_fd
         self._carry, self._carry_at = b"", 0
+        self._reserved: tuple[mmap.mmap, int, int] | None = None  # (buffer, offset, bytes)
         self.direct = 0
 
+    def reserve(self, offset: int, n: int) -> memoryview | None:
+        """Where to put the ``n`` bytes the stream writes next, at ``offset``, so that they are
+        written from there without a copy: a view inside an aligned buffer, at the bytes' place
+        in their pages. The caller fills it and passes it to ``write`` next (it is the writer's
+        after that). ``None`` where the bytes go another way (under ``MIN_DIRECT``; more than a
+        buffer holds): the caller writes them from memory of its own."""
+        lead = offset % ALIGN
+        if not (self._carry and self._carry_at + len(self._carry) == offset):
+            self.flush()  # not contiguous: the held partial page is an end of its run
+            first, end = interior(offset, n)
+            if first == end:
+                return None
+        if n < ALIGN or lead + n > self._writer.piece:
+            return None
+        buf = self._writer.acquire()
+        self._reserved = (buf, offset, n)
+        return memoryview(buf)[lead : lead + n]
+
     def write(self, data: memoryview, offset: int) -> None:
-        """Write ``data`` at ``offset`` (``data`` may be reused once this returns)."""
+        """Write ``data`` at ``offset`` (``data`` may be reused once this returns, unless it is
+        the view ``reserve`` gave, which must be the next write)."""
+        if self._reserved is not None:
+            self._write_reserved(data, offset)
+            return
         if self._carry and self._carry_at + len(self._carry) == offset:
             start, pre = self._carry_at, self._carry
         else:
@@ -332,6 +364,28 @@ class DirectStream:
         self.direct += whole
         rest = total - whole  # from data's end: whole covers at least a page, more than pre
         self._carry, self._carry_at = (bytes(data[len(data) - rest :]) if rest else b""), start + whole
+
+    def _write_reserved(self, data: memoryview, offset: int) -> None:
+        buf, at, n = self._reserved  # type: ignore[misc]
+        self._reserved = None
+        if (at, n) != (offset, len(data)):
+            self._writer.release(buf)
+            raise RuntimeError(f"DirectStream: reserved {n} bytes at {at}, then wrote {len(data)} at {offset}")
+        lead = offset % ALIGN
+        if self._carry and self._carry_at + len(self._carry) == offset:
+            buf[:lead] = self._carry  # the page's bytes before the run (len(carry) == lead)
+            lo, start = 0, self._carry_at
+        else:  # the run's first partial page goes through the page cache
+            lo, start = (ALIGN if lead else 0), offset - lead + (ALIGN if lead else 0)
+            if lead:
+                pwrite_all(self._fd, memoryview(buf)[lead:ALIGN], offset)
+        hi = lo + (offset + n - start) // ALIGN * ALIGN
+        self._carry, self._carry_at = bytes(buf[hi : lead + n]), start + hi - lo
+        if hi > lo:
+            self._writer.queue_buffer(self._direct_fd, buf, lo, hi, start)
+            self.direct += hi - lo
+        else:
+            self._writer.release(buf)
 
     def flush(self) -> None:
         """Write the partial page the stream ends in (through the page cache). Idempotent."""

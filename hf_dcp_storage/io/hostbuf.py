@@ -24,7 +24,7 @@ import torch
 
 from .slabs import SLAB_BYTES
 
-__all__ = ["HostBuffers", "to_host", "from_host"]
+__all__ = ["HostBuffers", "to_host", "copy_into", "from_host"]
 
 
 class HostBuffers:
@@ -146,6 +146,17 @@ def to_host(parts: Iterable[torch.Tensor], dtype: torch.dtype, pool: HostBuffers
             pool.release(handed)
         for buf, _, event in pending:
             pool.release(buf, event)
+
+
+def copy_into(part: torch.Tensor, dtype: torch.dtype, dest: memoryview) -> None:
+    """Copy ``part``, in ``dtype``, into the bytes of ``dest`` (host memory: exactly its size),
+    and wait for the copy: a slab whose bytes go straight into an aligned buffer of a direct
+    write (``io/direct.DirectStream.reserve``) instead of a pooled host buffer. A narrower
+    ``dtype`` is cast on the device first, as in ``to_host``."""
+    if part.device.type == "cuda" and part.dtype.itemsize > dtype.itemsize:
+        part = part.to(dtype)
+    host = torch.frombuffer(dest, dtype=torch.uint8)
+    _view(host, dtype, part.shape).copy_(part)  # synchronous: the bytes are there when it returns
 
 
 def _oldest(pending: deque[tuple[torch.Tensor, torch.Tensor, Any]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """A write item's bytes, slab by slab, in the dtype it is saved in: what every store writes.
 
 A CPU tensor already in that dtype is read in place; any other (on an accelerator, or cast) goes
-through reusable host buffers (``io/hostbuf.py``), copied a slab ahead on CUDA.
+through reusable host buffers (``io/hostbuf.py``), copied a slab ahead on CUDA, or, where the
+store says where a slab's bytes go (``place``: a direct write's aligned buffer), straight there.
 """
 
 from __future__ import annotations
@@ -12,18 +13,25 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from ..plan.layout import chunk_runs, element_size
-from .hostbuf import HostBuffers, to_host
+from .hostbuf import HostBuffers, copy_into, to_host
 from .slabs import as_bytes, slab_bounds, sub_chunk
 
-__all__ = ["item_slabs"]
+__all__ = ["Place", "item_slabs"]
+
+# ``place(tensor byte offset, nbytes)``: where a slab that is one run of the tensor's bytes is to
+# be copied (host memory of exactly ``nbytes``), or ``None``: into a host buffer of the writer's.
+Place = Callable[[int, int], "memoryview | None"]
 
 
-def item_slabs(item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tensor], HostBuffers]) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
+def item_slabs(
+    item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tensor], HostBuffers], place: Place | None = None
+) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
     """``(runs, bytes)`` per slab of a write item, cast to the planned dtype (bounded memory).
 
     A CPU tensor already in the planned dtype is read in place; any other (on an accelerator,
-    or cast) goes through ``host(tensor)``'s reusable buffers, copied a slab ahead on CUDA.
-    Each slab's bytes are valid until the next slab is asked for."""
+    or cast) is copied into ``place``'s memory where it gives some (the slab one run), else
+    through ``host(tensor)``'s reusable buffers, copied a slab ahead on CUDA. Each slab's bytes
+    are valid until the next slab is asked for (placed ones: until the store wrote them)."""
     td = item.tensor_data
     assert td is not None
     tensor = planner.resolve_data(item)
@@ -40,7 +48,27 @@ def item_slabs(item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tens
         for (r0, r1), slab_runs in zip(bounds, runs, strict=True):
             yield slab_runs, as_bytes(tensor[r0:r1] if sizes else tensor)
         return
+    if place is not None:
+        yield from _placed_slabs(tensor, bounds, runs, dtype, host, place)
+        return
     parts = (tensor[r0:r1] if sizes else tensor for r0, r1 in bounds)
     depth = 2 if tensor.device.type == "cuda" else 1  # CPU copies are synchronous: nothing to overlap
     for slab_runs, data in zip(runs, to_host(parts, dtype, host(tensor), depth), strict=True):
         yield slab_runs, as_bytes(data)
+
+
+def _placed_slabs(
+    tensor: torch.Tensor, bounds: list[tuple[int, int]], runs: list, dtype: torch.dtype, host: Callable[[torch.Tensor], HostBuffers], place: Place
+) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
+    """Each slab copied where ``place`` says (one copy, not two), or, where it gives nothing,
+    through a host buffer. A slab at a time: the store writes one before the next is placed."""
+    for (r0, r1), slab_runs in zip(bounds, runs, strict=True):
+        slab_runs = list(slab_runs)
+        part = tensor[r0:r1] if tensor.dim() else tensor
+        dest = place(slab_runs[0][0], slab_runs[0][2]) if len(slab_runs) == 1 else None
+        if dest is not None:
+            copy_into(part, dtype, dest)
+            yield slab_runs, dest
+            continue
+        for data in to_host([part], dtype, host(tensor), 1):
+            yield slab_runs, as_bytes(data)

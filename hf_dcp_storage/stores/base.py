@@ -30,7 +30,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.index import INDEX_NAME, SHARD_NAME_RE, SINGLE_FILE_NAME
 from ..io import fsio
+from ..io.items import Place
 from ..io.retry import RetryPolicy
 from ..plan.layout import Layout, element_size
 from ..plan.placed import PlacedChunks
@@ -61,10 +62,13 @@ logger = logging.getLogger(__name__)
 # coordinator has written the index; then the folder is removed.
 STAGING_DIR = ".hf_dcp_staging"
 
-# ``slabs(item) -> [(runs, bytes)]``: a write item's bytes in bounded slabs, cast to the saved
-# dtype, with each slab's byte runs ``(offset in the tensor, offset in the slab, length)``
-# (``io/slabs.py``'s ``item_slabs``); a slab's bytes are valid until the next one is asked for.
-Slabs = Callable[[WriteItem], Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]]
+class Slabs(Protocol):
+    """``slabs(item) -> [(runs, bytes)]``: a write item's bytes in bounded slabs, cast to the
+    saved dtype, with each slab's byte runs ``(offset in the tensor, offset in the slab,
+    length)`` (``io/items.py``'s ``item_slabs``); a slab's bytes are valid until the next one is
+    asked for. ``place``: where the store wants a slab that must be copied anyway (``Place``)."""
+
+    def __call__(self, item: WriteItem, place: Place | None = None) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]: ...
 
 
 @dataclass

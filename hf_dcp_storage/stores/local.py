@@ -73,7 +73,10 @@ class LocalStore(Store):
             stream = pipeline.stream(direct_fd, fd) if direct_fd is not None else None
             nbytes = 0
             crc = CrcAccumulator()
-            for runs, data in slabs(item):
+            # A slab that needs a copy anyway (on CUDA, or cast) is copied straight into the
+            # aligned buffer it is written from, at its place in its pages: one copy, not two.
+            into = (lambda tensor_off, n: stream.reserve(place.tensor_start + tensor_off, n)) if stream is not None else None
+            for runs, data in slabs(item, into):
                 first = last = None
                 for tensor_off, chunk_off, n in runs:
                     run = data[chunk_off : chunk_off + n]
