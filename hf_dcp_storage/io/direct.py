@@ -171,7 +171,7 @@ class DirectWriter:
     def __init__(self, *, buffers: int = WRITE_BUFFERS, threads: int = WRITE_THREADS, pool: AlignedPool = POOL) -> None:
         if pool.nbytes % ALIGN or buffers < 1 or threads < 1:
             raise ValueError(f"DirectWriter(buffers={buffers}, threads={threads}, pool of {pool.nbytes}-byte buffers): needs buffers, threads >= 1 and buffers of whole {ALIGN}-byte pages")
-        self.pool, self.piece, self.buffers, self.nthreads = pool, pool.nbytes, buffers, threads
+        self.pool, self.buffers, self.nthreads = pool, buffers, threads
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         self._taken: list[mmap.mmap] = []
         self._jobs: queue.SimpleQueue[tuple[int, mmap.mmap, int, int, int] | None] = queue.SimpleQueue()  # fd, buffer, [lo, hi) of it, file offset
@@ -179,6 +179,11 @@ class DirectWriter:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
+
+    @property
+    def piece(self) -> int:
+        """The most bytes one queued write takes: a buffer's size."""
+        return self.pool.nbytes
 
     def stream(self, direct_fd: int, buffered_fd: int) -> DirectStream:
         """A stream of contiguous bytes into the file of ``direct_fd`` / ``buffered_fd``."""
@@ -200,7 +205,7 @@ class DirectWriter:
                 np.copyto(dest[lead:], source[: n - lead])
             else:
                 np.copyto(dest, source[pos - lead : pos - lead + n])
-            self._jobs.put((direct_fd, buf, 0, n, start + pos))
+            self.queue_buffer(direct_fd, buf, 0, n, start + pos)
 
     def queue_buffer(self, direct_fd: int, buf: mmap.mmap, lo: int, hi: int, start: int) -> None:
         """Queue ``buf[lo:hi]`` (whole pages, from a page of the buffer; ``buf`` one of this
