@@ -48,23 +48,28 @@ def item_slabs(
         for (r0, r1), slab_runs in zip(bounds, runs, strict=True):
             yield slab_runs, as_bytes(tensor[r0:r1] if sizes else tensor)
         return
+    parts = [tensor[r0:r1] if sizes else tensor for r0, r1 in bounds]  # views, no copy
     if place is not None:
-        yield from _placed_slabs(tensor, bounds, runs, dtype, host, place)
+        yield from _placed_slabs(tensor, parts, runs, dtype, host, place)
         return
-    parts = (tensor[r0:r1] if sizes else tensor for r0, r1 in bounds)
     depth = 2 if tensor.device.type == "cuda" else 1  # CPU copies are synchronous: nothing to overlap
     for slab_runs, data in zip(runs, to_host(parts, dtype, host(tensor), depth), strict=True):
         yield slab_runs, as_bytes(data)
 
 
 def _placed_slabs(
-    tensor: torch.Tensor, bounds: list[tuple[int, int]], runs: list, dtype: torch.dtype, host: Callable[[torch.Tensor], HostBuffers], place: Place
+    tensor: torch.Tensor,
+    parts: list[torch.Tensor],
+    runs: list[Iterable[tuple[int, int, int]]],
+    dtype: torch.dtype,
+    host: Callable[[torch.Tensor], HostBuffers],
+    place: Place,
 ) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
-    """Each slab copied where ``place`` says (one copy, not two), or, where it gives nothing,
-    through a host buffer. A slab at a time: the store writes one before the next is placed."""
-    for (r0, r1), slab_runs in zip(bounds, runs, strict=True):
+    """Each slab (``parts``, of ``tensor``) copied where ``place`` says (one copy, not two), or,
+    where it gives nothing, through a host buffer (asked of ``host`` only then). A slab at a
+    time: the store writes one before the next is placed."""
+    for part, slab_runs in zip(parts, runs, strict=True):
         slab_runs = list(slab_runs)
-        part = tensor[r0:r1] if tensor.dim() else tensor
         dest = place(slab_runs[0][0], slab_runs[0][2]) if len(slab_runs) == 1 else None
         if dest is not None:
             copy_into(part, dtype, dest)
