@@ -20,9 +20,10 @@ from .format.crc import crc32_of
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
+from .io.claim import Claim, released_on_error
 from .io.direct import AlignedBuffers, Descriptors, check_direct_io, pread_run
 from .io.files import load_weight_map, read_header
-from .io.hostbuf import HostBuffers, from_host
+from .io.hostbuf import KeptHostBuffers, from_host
 from .io.parallel import parallel_map
 from .io.retry import RetryPolicy
 from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
@@ -64,7 +65,10 @@ class HFStorageReader(StorageReader):
 
     Call sequence (DCP drives it): (all ranks) ``read_metadata`` parses the index and every
     file's header and validates them; (all ranks) ``read_data`` reads each requested region
-    into the destination tensors, converting dtype where the destination differs.
+    into the destination tensors, converting dtype where the destination differs. A reader
+    holds one load at a time: ``reset`` (or ``set_up_storage_reader``) takes it for a load and
+    ``read_data`` gives it back, done or failed (``io/claim.py``); a load from another thread
+    meanwhile is refused before it changes anything.
 
     Args:
         path: the checkpoint folder, local or any fsspec URL; may be given later as
@@ -126,27 +130,33 @@ class HFStorageReader(StorageReader):
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         self._kept: list[ReadItem] = []  # this rank's read items, between prepare_local_plan and read_data
-        self._host: HostBuffers | None = None  # made on first need, kept across loads
-        self._host_lock = threading.Lock()
+        self._host = KeptHostBuffers(thread_count)
+        # The load using this reader (io/claim.py): a reader holds one load's state at a time.
+        self.claim = Claim("HFStorageReader", "load", "loading", "a dcp.load in another thread")
         if path is not None:
-            self.reset(path)
+            self._start(path)  # not a load yet: the constructing thread takes no claim
 
     # -- DCP protocol -------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load, taking this reader for it; ``checkpoint_id`` (when given) replaces the path.
+
+        Raises:
+            RuntimeError: this reader's previous load is still running in another thread, before
+                anything changes.
+        """
+        self.claim.take(lambda: str(checkpoint_id if checkpoint_id is not None else self.checkpoint_id))
+        with self.claim.released_on_error():
+            self._start(checkpoint_id)
+
+    def _start(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = fsio.resolve(checkpoint_id, self.storage_options)
             self._ranges = ranges_for(self.fs, self.retry)
         self.storage_data = {}
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            fsio.resolve(checkpoint_id, None)
-        except (ValueError, ImportError, TypeError):
-            return False
-        return True
+    validate_checkpoint_id = classmethod(fsio.resolvable)
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]
         """(all ranks) Index plus headers -> DCP metadata: one whole-tensor chunk per key. The
@@ -190,10 +200,18 @@ class HFStorageReader(StorageReader):
         self.storage_data = storage
         return Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
 
+    @released_on_error
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all ranks) The load goes on (or, with no ``reset``, starts): this reader is taken for it.
+
+        Raises:
+            RuntimeError: another thread's load is still using this reader, naming its path.
+        """
+        self.claim.join(lambda: str(self.checkpoint_id))
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
 
+    @released_on_error
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """(all ranks) Keep this rank's read items here and send DCP's global step none of them.
 
@@ -208,6 +226,7 @@ class HFStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @released_on_error
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """(all ranks) Read every item of ``plan`` into ``planner``'s tensors, slab by slab."""
         items = self._kept if plan.storage_data == _KEPT_HERE and not plan.items else plan.items
@@ -237,8 +256,9 @@ class HFStorageReader(StorageReader):
         finally:
             files.close()
             buffers.close()  # every read done: the aligned buffers are the next load's or save's
-            if self._host is not None:
-                self._host.drain()  # the destinations hold every byte before DCP returns them
+            if self._host.pool is not None:
+                self._host.pool.drain()  # the destinations hold every byte before DCP returns them
+            self.claim.release()  # this rank's last step of the load, done or failed
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -261,7 +281,7 @@ class HFStorageReader(StorageReader):
             if dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu":
                 fill(stored, runs, memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B"))
             else:
-                from_host(dest, lambda view, runs=runs: fill(stored, runs, view), stored.dtype, self._host_buffers(dest))
+                from_host(dest, lambda view, runs=runs: fill(stored, runs, view), stored.dtype, self._host(dest))
         planner.commit_tensor(item, target)
 
     def _read_verified(self, items: list[ReadItem], planner: LoadPlanner, fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None]) -> None:
@@ -298,14 +318,6 @@ class HFStorageReader(StorageReader):
             )
         for item, target in targets:
             planner.commit_tensor(item, target)
-
-    def _host_buffers(self, dest: torch.Tensor) -> HostBuffers:
-        """(each rank) Two reusable host buffers per I/O thread (one being read into while the
-        other's copy to the device runs), pinned for CUDA destinations."""
-        with self._host_lock:
-            if self._host is None:
-                self._host = HostBuffers(2 * self.thread_count, pin=dest.device.type == "cuda")
-            return self._host
 
     def _slab_bytes(self, stored: _Stored, item: ReadItem) -> int:
         """Bytes of destination per slab: ``SLAB_BYTES``, less where a remote read fetches whole

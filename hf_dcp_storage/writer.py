@@ -10,21 +10,21 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .format.index import INDEX_NAME
 from .io import fsio, meeting
+from .io.claim import Claim, released_on_error
 from .io.direct import check_direct_io
-from .io.hostbuf import HostBuffers
+from .io.hostbuf import KeptHostBuffers
 from .io.items import item_slabs
 from .io.parallel import parallel_map
 from .io.records import SAVE_RECORD, SaveRecord, rank_record, rank_record_name
@@ -69,6 +69,8 @@ class HFStorageWriter(StorageWriter):
     4. (coordinator) ``finish``: the store makes the files whole; the index is written (the
        commit); ``.hf_dcp_staging/`` is removed. If the coordinator dies before the index, the
        records let ``hf-dcp consolidate`` run this step later.
+    One save at a time: ``reset`` (or ``storage_meta``) takes the writer, its last step on the
+    rank gives it back, done or failed (``io/claim.py``).
 
     Args:
         path: a local folder or any fsspec URL (``file://``, ``memory://``, ``s3://``...); may be
@@ -138,20 +140,15 @@ class HFStorageWriter(StorageWriter):
         self.rank_timeout = meeting.check_rank_timeout(rank_timeout)
         self.direct_io = check_direct_io(direct_io)
         self.store: Store | None = None
-        # Made on first need and kept across saves: pinned memory is slow to allocate.
-        self._host: HostBuffers | None = None
-        self._host_lock = threading.Lock()
-        # The thread running this writer's save, from set_up_storage_writer until the save ends
-        # on this rank: a writer holds one save's state, so a second save may not start meanwhile.
-        self._owner: threading.Thread | None = None
+        self._host = KeptHostBuffers(thread_count)
+        self.claim = Claim("HFStorageWriter", "save", "saving", "a dcp.async_save in flight")
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.is_coordinator = False
         if path is not None:
-            self.reset(path)
+            self._start(path)  # not a save yet: the constructing thread takes no claim
 
     # Pickled as its settings and path (DCP's process-based async save sends the writer to its
-    # background process): the store, host buffers, locks and the saving thread are made anew
-    # there, and a save's state never travels (DCP pickles a writer before its save starts).
+    # background process): the store, host buffers, locks and claim are made anew there.
     _SETTINGS = ("storage_options", "fqn_to_index_mapping", "overwrite", "thread_count", "direct_write", "retry", "rank_timeout", "direct_io")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -168,14 +165,19 @@ class HFStorageWriter(StorageWriter):
     # -- DCP protocol -------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new save; ``checkpoint_id`` (when given) replaces the path.
+        """Start a new save, taking this writer for it; ``checkpoint_id`` (when given) replaces the path.
 
         Raises:
             RuntimeError: this writer's previous save is still running in another thread (two
-                ``dcp.async_save`` calls sharing one writer): its path and plan would change under it.
+                ``dcp.async_save`` calls sharing one writer), before anything changes: its path
+                and plan would change under it.
             ValueError: ``direct_write=True`` on a store without positioned writes.
         """
-        self._refuse_if_busy()
+        self.claim.take(lambda: str(checkpoint_id if checkpoint_id is not None else self.checkpoint_id))
+        with self.claim.released_on_error():
+            self._start(checkpoint_id)
+
+    def _start(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = fsio.resolve(checkpoint_id, self.storage_options)
@@ -194,31 +196,28 @@ class HFStorageWriter(StorageWriter):
         self._meets = False
         self._alone = False  # dcp.save(..., use_collectives=False): every rank plans and commits alone
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            fsio.resolve(checkpoint_id, None)
-        except (ValueError, ImportError, TypeError):
-            return False
-        return True
+    validate_checkpoint_id = classmethod(fsio.resolvable)
 
+    def storage_meta(self) -> StorageMeta | None:
+        """(all ranks) DCP's first call of a save named by no ``reset``: the save takes the writer."""
+        self.claim.join(lambda: str(self.checkpoint_id))
+        return super().storage_meta()
+
+    @released_on_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all ranks) The save goes on (or, with no ``reset``, starts): this writer is taken for it.
+
+        Raises:
+            RuntimeError: another thread's save is still using this writer, naming its path.
+            ValueError: no path was given.
+        """
+        self.claim.join(lambda: str(self.checkpoint_id))
         if self.checkpoint_id is None:
             raise ValueError("HFStorageWriter has no path: pass HFStorageWriter(path) or dcp.save(..., checkpoint_id=path)")
-        self._refuse_if_busy()
-        self._owner = threading.current_thread()
         self.is_coordinator = is_coordinator
         self._alone = kwargs.get("use_collectives") is False
 
-    def _refuse_if_busy(self) -> None:
-        owner = getattr(self, "_owner", None)
-        if owner is not None and owner is not threading.current_thread() and owner.is_alive():
-            raise RuntimeError(
-                f"this HFStorageWriter is still saving {self.checkpoint_id!s} in thread {owner.name!r} "
-                f"(a dcp.async_save in flight); a writer holds one save's state: pass a new "
-                f"HFStorageWriter to each save, or wait for the previous one"
-            )
-
+    @released_on_error
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """(all ranks) Reject what safetensors cannot hold, before anything is written.
 
@@ -236,6 +235,7 @@ class HFStorageWriter(StorageWriter):
             planner_data = {}
         return dataclasses.replace(plan, items=[], storage_data=self._local[1], planner_data=planner_data)
 
+    @released_on_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Plan the whole layout, then prepare the destination for writing."""
         compact = compact_plans(plans)
@@ -287,6 +287,7 @@ class HFStorageWriter(StorageWriter):
         self._layout, self._tables, self._save_id = layout, None, save_id
         return store
 
+    @released_on_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Write this rank's bytes through the store, record them (the save's ``rank{r}.json``,
         so an interrupted save can be finished), then do this rank's share of the finishing work once every rank has written."""
@@ -325,7 +326,7 @@ class HFStorageWriter(StorageWriter):
         if rank_plan.tasks:
             results.append(self._finish_tasks(rank_plan))
         if not self.is_coordinator:
-            self._owner = None  # this rank's part of the save is done
+            self.claim.release()  # this rank's part of the save is done
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -336,7 +337,7 @@ class HFStorageWriter(StorageWriter):
         store = self.store
         assert store is not None
         try:
-            results = store.write(items, rank_plan, lambda item, place=None: item_slabs(item, planner, self._host_buffers, place))
+            results = store.write(items, rank_plan, lambda item, place=None: item_slabs(item, planner, self._host, place))
             store.put(fsio.join(self.root, STAGING_DIR, rank_record_name(rank_plan.rank)), rank_record(rank_plan.save_id, rank_plan.rank, items, results).encode())
         except BaseException:
             store.abort(rank_plan)
@@ -364,6 +365,7 @@ class HFStorageWriter(StorageWriter):
         nbytes = sum(t.nbytes for t in tasks)
         return WriteResult(FINISHED, nbytes, Finished({f: tuple(e) for f, e in parts.items()}, tuple(merged), nbytes))
 
+    @released_on_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Let the store make the files whole, then commit by writing the index."""
         layout, store = self._layout, self.store
@@ -389,12 +391,4 @@ class HFStorageWriter(StorageWriter):
             metadata.storage_data = {MERGE_STATS_KEY: stats}
         logger.info("committed %s: %s", self.checkpoint_id, stats)
         store.clear_staging()  # after the commit: until the index exists, the records can finish the save
-        self._owner = None
-
-    def _host_buffers(self, tensor: torch.Tensor) -> HostBuffers:
-        """(each rank) The host buffers of slabs that need a copy: two per I/O thread (one being
-        written, one being filled), pinned when the tensors live on CUDA."""
-        with self._host_lock:
-            if self._host is None:
-                self._host = HostBuffers(2 * self.thread_count, pin=tensor.device.type == "cuda")
-            return self._host
+        self.claim.release()

@@ -132,7 +132,8 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
         writer = HFStorageWriter(root / f"{side}_sync")
         out["save_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=writer))
         out["direct_io_mib"] = writer.merge_stats.direct_io_bytes / 2**20
-        out["pinned_buffers"] = writer._host.made if writer._host is not None and writer._host.pin else 0
+        pool = writer._host.pool
+        out["pinned_buffers"] = pool.made if pool is not None and pool.pin else 0
         out["pinned_aligned"] = len(aligned._PINNED)  # the direct writes' buffers the slabs were copied into
         out["save_buffered_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=HFStorageWriter(root / f"{side}_buffered", direct_io=False)))
         back = _state_dict(spec, mesh, fill=False)

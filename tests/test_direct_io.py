@@ -284,7 +284,7 @@ def _save_cast(rank: int, world: int, base: str) -> dict[str, object]:
         writer = HFStorageWriter(f"{base}/{mode}", direct_io=flag, max_shard_size="2MB")
         dcp.save(sd, storage_writer=writer, planner=HFSavePlanner(save_dtype=torch.bfloat16))
         out[mode] = writer.merge_stats.direct_io_bytes if dist.get_rank() == 0 else None
-        out[f"{mode}_host_buffers"] = 0 if writer._host is None else writer._host.made
+        out[f"{mode}_host_buffers"] = 0 if writer._host.pool is None else writer._host.pool.made
     return out
 
 

@@ -203,6 +203,7 @@ def test_shape_mismatch_names_both_shapes(saved: str) -> None:
 
 
 def test_reader_accepts_a_single_file_written_by_safetensors(tmp_path) -> None:
-    save_file({"w": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    save_file({"w": torch.arange(4.0).reshape(2, 2)}, str(tmp_path / "model.safetensors"))
     out = {"w": torch.zeros(2, 2)}
     _load(str(tmp_path), **out)
+    assert torch.equal(out["w"], torch.arange(4.0).reshape(2, 2))

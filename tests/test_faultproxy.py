@@ -172,11 +172,9 @@ def test_403_raises_permission_error_at_once(fs, proxy, bucket, method):
     fs.pipe(f"{bucket}/k", b"x")
     proxy.clear()
     proxy.add_fault(Fault(kind="403", method=method, times=None))
-    t0 = time.monotonic()
     with pytest.raises(PermissionError):
         fs.cat(f"{bucket}/k") if method == "GET" else fs.pipe(f"{bucket}/k", b"y" * 1000)
-    assert time.monotonic() - t0 < 2
-    assert proxy.faults_fired() == {"403": 1}
+    assert proxy.faults_fired() == {"403": 1}  # counted, not timed: one request, no retry
     (refused,) = [r for r in proxy.requests if r.method == method]
     assert refused.status == 403 and refused.body == b""
 

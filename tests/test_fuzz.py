@@ -22,7 +22,6 @@ import shutil
 import struct
 import sys
 import threading
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -86,6 +85,11 @@ def _refused(exc: BaseException, expected: type[BaseException] | tuple[type[Base
     """``exc`` is the library's own kind of refusal, with a message."""
     assert isinstance(exc, expected) and not isinstance(exc, FORBIDDEN), f"{type(exc).__name__}: {exc}"
     assert str(exc).strip(), f"{type(exc).__name__} without a message"
+
+
+# A hang's bound, not a speed target: exponential matching or a stuck load takes hours, so a
+# bound this far above the seconds these take holds on a loaded machine and still catches them.
+HANG_S = 120.0
 
 
 def _within(seconds: float, fn: Callable[[], Any]) -> Any:
@@ -406,7 +410,7 @@ def test_random_rules_build_a_mapping_or_are_refused(rules: dict[str, Any], keys
         return
     _count("keymap: rules", "accepted")
     try:
-        renaming = _within(2, lambda: mapping.apply(keys))
+        renaming = _within(HANG_S, lambda: mapping.apply(keys))
     except KeyMappingError as exc:  # a key matching two templates, or two keys onto one target
         _refused(exc, KeyMappingError)
         return
@@ -858,7 +862,7 @@ def _run(case: Case, work: Path, p: Pristine, threads: int = 1) -> None:
     where = f"{case.category} / {case.label}"
     with _recording_opens() as opened:
         try:
-            errors = _within(20, lambda: _load(folder, p, threads))
+            errors = _within(HANG_S, lambda: _load(folder, p, threads))
         except AssertionError as exc:  # a wrong load, a forbidden error type, or a hang
             raise AssertionError(f"{where}: {exc}") from None
     assert _snapshot(work) == before, f"{where}: the load changed files"
@@ -1011,12 +1015,10 @@ def test_a_lone_surrogate_in_a_recorded_header_is_refused_naming_the_file() -> N
 def test_placeholders_with_only_digits_between_them_are_refused(source: str) -> None:
     """Before: accepted, and matching a 26-digit key against the first took a second (each more
     {} doubles it): (\\d+)(\\d+)... backtracks through every split of the digits."""
-    started = time.perf_counter()
     with pytest.raises(KeyMappingError, match=r"has two \{\} placeholders with only digits between them"):
-        KeyMapping({source: "t" + ".{}" * source.count("{}")})
-    assert time.perf_counter() - started < 1
+        _within(HANG_S, lambda: KeyMapping({source: "t" + ".{}" * source.count("{}")}))
     mapping = KeyMapping({"l.{}.{}x{}": "m.{}.{}.{}"})  # separated by non-digits: linear, and fine
-    assert _within(1, lambda: mapping("l." + "1" * 5000)) == "l." + "1" * 5000
+    assert _within(HANG_S, lambda: mapping("l." + "1" * 5000)) == "l." + "1" * 5000
 
 
 def test_step_names_with_other_scripts_digits_are_not_steps() -> None:

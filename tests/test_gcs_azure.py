@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +31,9 @@ from conftest import azure_options, gcs_options
 from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy
 
 INDEX = "model.safetensors.index.json"
-FAST_RETRY = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadline=20)
+# The deadline only bounds a broken retry loop: attempts end these tests' retries, and a deadline
+# near the time the attempts take would end them earlier on a loaded machine.
+FAST_RETRY = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadline=300)
 MiB = 2**20
 
 
@@ -245,10 +246,9 @@ def test_a_persistent_503_fails_after_the_policy_naming_operation_and_url(proxie
     # Every attempt the policy allows (then the clean-up's own requests get through).
     fault = proxy.add_fault(Fault("503", **m["assemble"], times=FAST_RETRY.max_attempts))
     op = r"compose 1 objects into gs://" if kind == "gcs" else r"Put Block List \(1 blocks\) az://"
-    started = time.monotonic()
     with raises_in_checkpoint(OSError, op + r".*/run/step_1/model-00001-of-00001\.safetensors failed after 6 attempt\(s\)"):
         dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY), no_dist=True)
-    assert time.monotonic() - started < 15 and fault.fired == 6
+    assert fault.fired == 6  # counted, not timed: exactly the attempts the policy allows
     left = _objects(kind, url, direct)
     assert INDEX not in left and not [k for k in left if "/parts/" in k or "/compose/" in k], sorted(left)
     assert _uncommitted(kind, url, direct, ["model-00001-of-00001.safetensors"]) == {}
@@ -260,11 +260,10 @@ def test_access_denied_fails_at_once_leaves_no_parts_and_the_next_save_clears_up
     # The second part upload of the file is refused (403): never retried.
     fault = proxy.add_fault(Fault("403", **_part_kinds(kind)["denied"], times=1))  # a retry would succeed
     sd = _state_dict(BIG_ROWS)
-    started = time.monotonic()
     op = r"start a resumable upload of gs://.*/parts/[0-9a-f]+/model-00001-of-00001\.safetensors\.part\d+" if kind == "gcs" else r"Put Block az://.*/run/step_1/model-00001-of-00001\.safetensors"
     with raises_in_checkpoint(PermissionError, "(?s)" + op + r" failed: .*\(not retried: the error is permanent\)"):
         dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0)), no_dist=True)
-    assert time.monotonic() - started < 5 and fault.fired == 1
+    assert fault.fired == 1  # counted, not timed: refused once, never retried (a retry would succeed)
     left = _objects(kind, url, direct)
     assert INDEX not in left and not [k for k in left if "/parts/" in k or "/compose/" in k], sorted(left)
     assert _uncommitted(kind, url, direct, ["model-00001-of-00001.safetensors"]) == {}

@@ -125,7 +125,7 @@ def test_writers_readers_planners_and_policies_travel_as_their_settings(tmp_path
     writer = _round_trip(HFStorageWriter(str(tmp_path / "a"), max_shard_size="1KB", retry=policy, rank_timeout=9.0, thread_count=2))
     assert (writer.checkpoint_id, writer.max_shard_bytes, writer.retry, writer.rank_timeout, writer.thread_count) == (str(tmp_path / "a"), 1000, policy, 9.0, 2)
     # What cannot travel is made anew: a store of its own, a fresh lock, no save in flight.
-    assert writer.store is not None and writer._owner is None and writer._host is None
+    assert writer.store is not None and writer.claim._holder is None and writer._host.pool is None
     reader = _round_trip(HFStorageReader(str(tmp_path / "a"), verify=True, retry=policy))
     assert (reader.checkpoint_id, reader.verify, reader.retry) == (str(tmp_path / "a"), True, policy)
     stats = MergeStats()

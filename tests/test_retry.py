@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
 from hf_dcp_storage import RetryPolicy
+from hf_dcp_storage.io import retry
 from hf_dcp_storage.io.retry import RemoteOperationError, is_transient
 
 
@@ -55,13 +57,17 @@ def _flaky(failures: list[BaseException]):
     return fn, calls
 
 
-def test_transient_failures_are_retried_with_growing_jittered_sleeps() -> None:
+def test_transient_failures_are_retried_with_growing_jittered_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
     fn, calls = _flaky([_ClientError("SlowDown", 503), ConnectionResetError(), ClientPayloadError()])
     sleeps: list[float] = []
     policy = RetryPolicy(max_attempts=4, base_delay=1.0, max_delay=3.0)
+    monkeypatch.setattr(retry, "random", random.Random(20261203))  # the jitter's draws, of a seed of its own
     assert policy.call(fn, operation="GET", url="s3://b/k", sleep=sleeps.append) == "ok"
     assert len(calls) == 4
-    assert [0 <= s <= cap for s, cap in zip(sleeps, [1.0, 2.0, 3.0])] == [True] * 3
+    # Full jitter: attempt k sleeps uniform(0, min(max_delay, base_delay * 2**k)), so the bounds
+    # grow 1, 2, 4 -> capped at 3; the same draws from the same seed pin them exactly.
+    same = random.Random(20261203)
+    assert sleeps == [same.uniform(0.0, cap) for cap in (1.0, 2.0, 3.0)]
 
 
 def test_attempts_run_out_with_a_message_naming_operation_url_and_fix() -> None:

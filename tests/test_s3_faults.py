@@ -9,7 +9,6 @@ on every rank, leave no index and no unfinished multipart upload on the server.
 from __future__ import annotations
 
 import posixpath
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -30,7 +29,9 @@ from conftest import s3_storage_options  # noqa: E402
 from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
-FAST_RETRY = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadline=20)
+# The deadline only bounds a broken retry loop: attempts end these tests' retries, and a deadline
+# near the time the attempts take would end them earlier on a loaded machine.
+FAST_RETRY = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadline=300)
 
 
 def _options(endpoint: str) -> dict:
@@ -134,11 +135,9 @@ def test_a_persistent_503_fails_after_the_policy_with_no_index_and_no_upload(pro
     url = f"{bucket}/run/step_1"
     # One process, one 12 MiB file: the rank PUTs it whole, and every attempt gets a 503.
     fault = proxy.add_fault(Fault("503", method="PUT", path=r"safetensors$", times=None))
-    started = time.monotonic()
     with raises_in_checkpoint(OSError, r"PUT s3://.*/run/step_1/model-00001-of-00001\.safetensors failed after 6 attempt\(s\)"):
         dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY))
-    assert time.monotonic() - started < 15
-    assert fault.fired >= 6
+    assert fault.fired >= 6  # counted, not timed
     assert INDEX not in _objects(direct, url)
     assert _unfinished_uploads(direct, bucket) == []
 
@@ -148,12 +147,10 @@ def test_access_denied_fails_at_once_naming_operation_and_url(proxied) -> None:
     url = f"{bucket}/run/step_1"
     dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options))
     fault = proxy.add_fault(Fault("403", method="GET", path=r"safetensors$", times=None))
-    started = time.monotonic()
     # The index records the file's header, so the first GET of the file is a read of its data.
     with raises_in_checkpoint(PermissionError, r"GET bytes \d+-\d+ of s3://.*/model-00001-of-00001\.safetensors failed: .*AccessDenied.*\(not retried: the error is permanent\)"):
         dcp.load({k: torch.zeros_like(v) for k, v in _state_dict().items()}, storage_reader=HFStorageReader(url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0), thread_count=1))
-    assert time.monotonic() - started < 5  # no backoff: a permanent error is not retried
-    assert fault.fired == 1  # one reading thread: its one GET, never repeated
+    assert fault.fired == 1  # one reading thread: its one GET, never repeated (counted, not timed)
 
 
 def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failure: bool) -> None:
@@ -166,12 +163,10 @@ def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failur
     if not expect_failure:
         dcp.save(sd, storage_writer=writer)
         return
-    started = time.monotonic()
     try:
         dcp.save(sd, storage_writer=writer)
     except BaseException as exc:  # CheckpointException derives from BaseException
         assert "AccessDenied" in repr(exc) and "rank00001" in repr(exc), repr(exc)
-        assert time.monotonic() - started < 30
     else:
         raise AssertionError(f"rank {rank}: the save succeeded although rank 1's uploads were denied")
 

@@ -12,8 +12,11 @@ Each checkpoint Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) is a 
 ``hf_dcp_storage`` (``steps/folder.py``), at any fsspec URL: the weights as a consolidated HF
 checkpoint, ``training_state/`` (each optimizer's sharded state, Lightning's loop, callback,
 scheduler and hyper-parameter entries, and every rank's RNG states) and ``COMMITTED``, written
-last. Saving to a path that holds a checkpoint replaces it (``last.ckpt``), marker first;
-``ModelCheckpoint``'s ``save_top_k`` removes folders through ``remove_checkpoint``, marker first.
+last. Saving to a path that holds a complete checkpoint (``last.ckpt``) writes the new one into
+a version folder under it and switches ``CURRENT`` to it once committed, then removes the old
+(``steps/named.py``): a crash while ``last.ckpt`` is overwritten leaves the previous one
+loadable. ``ModelCheckpoint``'s ``save_top_k`` removes checkpoints through ``remove_checkpoint``,
+markers first.
 
 Against Lightning 2.6.6's ``ModelParallelStrategy``: the path stays a string (``Path`` would turn
 ``s3://b/x`` into ``s3:/b/x``) and reaches the store with ``storage_options``; the weights and
@@ -36,7 +39,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -55,8 +57,8 @@ except ImportError as exc:  # pragma: no cover - exercised where Lightning is ab
     ) from exc
 
 from ..steps import folder as ckpt_folder
+from ..steps import named
 from ..steps.control import Control
-from ..steps.runs import remove_folder
 
 __all__ = ["HFModelParallelStrategy", "LIGHTNING_STATE"]
 
@@ -142,19 +144,8 @@ class HFModelParallelStrategy(ModelParallelStrategy):
                 f"{exc}. {type(self).__name__} saves Lightning's checkpoint entries as tensors and JSON: make that entry one "
                 f"of them (e.g. save_hyperparameters of plain values), or drop it in LightningModule.on_save_checkpoint"
             ) from None
-        self._control.broadcast(ckpt_folder.clear(fs, folder, overwrite=True, fix="") if self._control.rank == 0 else None)
-        self._control.barrier()  # the folder is clear before anyone writes into it
-        ckpt_folder.write_rank_state(fs, folder, self._control.rank, payload)
-        model_writer, state_writer = ckpt_folder.writers(
-            fs, folder, bool(tensors), {"storage_options": self.storage_options, "max_shard_size": self.max_shard_size}
-        )
-        dcp.save(weights, storage_writer=model_writer)
-        if state_writer is not None:
-            dcp.save(tensors, storage_writer=state_writer)
-        self._control.barrier()
-        if self._control.rank == 0:
-            ckpt_folder.commit(fs, folder, step, self._control.world)
-        self._control.barrier()  # complete for every rank once this returns
+        options = {"storage_options": self.storage_options, "max_shard_size": self.max_shard_size}
+        named.save(self._control, fs, folder, step, weights, tensors, payload, options)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """(all ranks) Load a checkpoint folder into the model and the optimizers (resharded onto
@@ -164,9 +155,13 @@ class HFModelParallelStrategy(ModelParallelStrategy):
             FileNotFoundError: ``checkpoint_path`` is not a complete checkpoint folder.
         """
         url = self.broadcast(os.fspath(checkpoint_path))
-        fs, folder = ckpt_folder.locate(url, self.storage_options)
-        if not self._control.broadcast(ckpt_folder.is_complete(fs, folder) if self._control.rank == 0 else None):
-            raise FileNotFoundError(f"{url} is not a complete checkpoint of {type(self).__name__} (no COMMITTED marker): give the path of one it saved")
+        fs, name = ckpt_folder.locate(url, self.storage_options)
+        folder = self._control.broadcast(named.resolve(fs, name) if self._control.rank == 0 else None)
+        if folder is None:
+            raise FileNotFoundError(
+                f"{url} is not a complete checkpoint of {type(self).__name__} (no COMMITTED marker, and no CURRENT naming a "
+                f"complete version): give the path of one it saved"
+            )
         assert self.model is not None and self.lightning_module is not None
         weights = get_model_state_dict(self.model)
         state: dict[str, Any] = {f"optimizer_{i}": _OptimizerState(self.model, opt) for i, opt in enumerate(self.optimizers)}
@@ -178,10 +173,10 @@ class HFModelParallelStrategy(ModelParallelStrategy):
         return state[LIGHTNING_STATE]
 
     def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
-        """(rank 0; the others return) Delete a checkpoint folder, its commit marker first."""
+        """(rank 0; the others return) Delete a checkpoint and its versions, markers first."""
         if self.is_global_zero:
-            fs, folder = ckpt_folder.locate(os.fspath(filepath), self.storage_options)
-            remove_folder(fs, folder)
+            fs, name = ckpt_folder.locate(os.fspath(filepath), self.storage_options)
+            named.remove(fs, name)
 
     def teardown(self) -> None:
         super().teardown()

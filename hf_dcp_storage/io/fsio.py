@@ -28,6 +28,7 @@ from fsspec.spec import AbstractBufferedFile
 
 __all__ = [
     "resolve",
+    "resolvable",
     "join",
     "is_local",
     "is_s3",
@@ -64,6 +65,16 @@ __all__ = [
 def resolve(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> tuple[AbstractFileSystem, str]:
     """The filesystem and root path for a local path or any fsspec URL."""
     return fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
+
+
+def resolvable(cls: type, checkpoint_id: str | os.PathLike[str]) -> bool:
+    """``validate_checkpoint_id`` of the writer and the reader (``cls`` is theirs): a local
+    path or a URL of an installed fsspec filesystem."""
+    try:
+        resolve(checkpoint_id, None)
+    except (ValueError, ImportError, TypeError):
+        return False
+    return True
 
 
 def join(root: str, *parts: str) -> str:

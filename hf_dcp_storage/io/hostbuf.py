@@ -24,7 +24,7 @@ import torch
 
 from .slabs import SLAB_BYTES
 
-__all__ = ["HostBuffers", "to_host", "copy_into", "from_host"]
+__all__ = ["HostBuffers", "KeptHostBuffers", "to_host", "copy_into", "from_host"]
 
 
 class HostBuffers:
@@ -86,6 +86,24 @@ class HostBuffers:
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+
+class KeptHostBuffers:
+    """The host buffers of one writer (or reader): made on the first slab that needs one and
+    kept across its saves (loads), since pinned memory is slow to allocate. Two per I/O thread
+    (one being filled while the other is written or copied), pinned where the tensors live on
+    CUDA. Calling it with a slab's tensor returns the pool; thread-safe."""
+
+    def __init__(self, threads: int) -> None:
+        self._threads = threads
+        self._lock = threading.Lock()
+        self.pool: HostBuffers | None = None
+
+    def __call__(self, tensor: torch.Tensor) -> HostBuffers:
+        with self._lock:
+            if self.pool is None:
+                self.pool = HostBuffers(2 * self._threads, pin=tensor.device.type == "cuda")
+            return self.pool
 
 
 def _view(buf: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:

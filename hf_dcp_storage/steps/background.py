@@ -15,7 +15,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..writer import HFStorageWriter
 
-__all__ = ["ASYNC_MODES", "BackgroundSaves"]
+__all__ = ["ASYNC_MODES", "BackgroundSaves", "Reported"]
 
 ASYNC_MODES = ("thread", "process")
+T = TypeVar("T")
 
 
 class BackgroundSaves:
@@ -50,7 +51,7 @@ class BackgroundSaves:
     def start(
         self, step: int, model: Mapping[str, Any], tensors: dict[str, torch.Tensor], model_writer: HFStorageWriter,
         state_writer: HFStorageWriter | None, commit: Callable[[], None],
-    ) -> Future[int]:
+    ) -> Reported[int]:
         """(all ranks) Stage both state dicts now and save them in the background; ``commit``
         runs once both saves returned (on rank 0 that is after every rank's bytes). Returns a
         future of ``step``, done after the commit."""
@@ -65,7 +66,7 @@ class BackgroundSaves:
         elif state_writer is not None:
             fut = _uploaded(dcp.async_save(tensors, storage_writer=state_writer, process_group=groups[1], async_stager=stagers[1]))
             second = lambda: fut  # noqa: E731
-        done: Future[int] = Future()
+        done: Reported[int] = Reported()
 
         def finish() -> None:
             try:
@@ -119,6 +120,26 @@ class BackgroundSaves:
             for group in groups:
                 with contextlib.suppress(ValueError, RuntimeError):
                     dist.destroy_process_group(group)
+
+
+class Reported(Future[T]):
+    """A step's future that remembers whether its outcome was read (``result``/``exception``
+    after it was done): the manager raises a failed save's error once, from this future where
+    the caller read it, else from the next ``save``, ``load`` or ``wait``."""
+
+    reported = False
+
+    def result(self, timeout: float | None = None) -> T:
+        try:
+            return super().result(timeout)
+        finally:
+            self.reported = self.reported or self.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        finally:
+            self.reported = self.reported or self.done()
 
 
 def _stager(shared: bool) -> DefaultStager:

@@ -21,6 +21,7 @@ import logging
 import os
 import weakref
 from collections.abc import Mapping, MutableMapping
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
@@ -33,7 +34,7 @@ from ..io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
 from ..io.retry import RetryPolicy
 from ..writer import HFStorageWriter
 from . import folder as step_folder
-from .background import ASYNC_MODES, BackgroundSaves
+from .background import ASYNC_MODES, BackgroundSaves, Reported
 from .control import Control
 from .folder import TRAINING_STATE_DIR
 from .retention import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
@@ -98,7 +99,7 @@ class CheckpointManager:
         self.max_shard_size = max_shard_size
         self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
-        self._in_flight: tuple[int, Future[int]] | None = None
+        self._in_flight: tuple[int, Reported[int]] | None = None
         self._control = Control()
         self.reuse_staging, self.async_mode = reuse_staging, async_mode
         self._background = BackgroundSaves(async_mode, reuse_staging)
@@ -184,11 +185,14 @@ class CheckpointManager:
         return self._save_async(step, model_state_dict, tensors, model_writer, state_writer)
 
     def wait(self) -> None:
-        """Block until an async save in flight is committed (re-raising its error, if any)."""
+        """Block until an async save in flight has ended. A failed save's error is raised here
+        unless the caller has read it from the save's future already: raised once, never lost."""
         if self._in_flight is not None:
             _, fut = self._in_flight
             try:
-                fut.result()
+                futures.wait([fut])
+                if not fut.reported:
+                    fut.result()
             finally:
                 self._in_flight = None
 

@@ -87,12 +87,17 @@ def test_every_epoch_is_a_folder_of_safetensors_weights(fits: dict[str, Any]) ->
 def test_model_checkpoint_keeps_top_k_and_last_on_s3(fits: dict[str, Any]) -> None:
     losses = fits["first"][0]["losses"]
     best = sorted(sorted(losses, key=losses.get)[:2])
-    folders = {name.split("/", 1)[0] for name in fits["s3_files"]}
+    files = fits["s3_files"]
+    folders = {name.split("/", 1)[0] for name in files}
     assert folders == {f"best-epoch={e}.ckpt" for e in best} | {"last.ckpt"}  # the others were removed, whole
-    assert all(f"{f}/COMMITTED" in fits["s3_files"] for f in folders)
+    assert all(f"{f}/COMMITTED" in files for f in folders - {"last.ckpt"})  # saved once: flat checkpoint folders
     assert sorted(p.rsplit("/", 1)[1] for p in fits["first"][0]["checkpoints"][fits["best_dir"]]["best_k"]) == [f"best-epoch={e}.ckpt" for e in best]
-    # last.ckpt was overwritten every epoch: it holds the final weights.
-    last, full = _weights(fits["s3_files"], "last.ckpt"), fits["first"][0]["full"]
+    # last.ckpt was saved over every epoch, each time into a version of its own that CURRENT
+    # names once committed, the one it replaced removed after: one version is left.
+    version = json.loads(files["last.ckpt/CURRENT"])["version"]
+    assert {name.split("/")[1] for name in files if name.startswith("last.ckpt/")} == {"CURRENT", version}
+    assert f"last.ckpt/{version}/COMMITTED" in files and json.loads(files[f"last.ckpt/{version}/COMMITTED"])["step"] == EPOCHS * 4
+    last, full = _weights(files, f"last.ckpt/{version}"), fits["first"][0]["full"]
     assert last.keys() == full.keys() and all(torch.equal(last[k], full[k]) for k in full)
 
 
@@ -122,5 +127,5 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path: Path) ->
     with pytest.raises(TypeError, match=r"training state 'lightning.hyper_parameters.activation' is a ReLU.*save_hyperparameters of plain values"):
         strategy.save_checkpoint(checkpoint, tmp_path / "b.ckpt")
     assert not (tmp_path / "b.ckpt").exists()
-    with pytest.raises(FileNotFoundError, match=r"is not a complete checkpoint of HFModelParallelStrategy \(no COMMITTED marker\)"):
+    with pytest.raises(FileNotFoundError, match=r"is not a complete checkpoint of HFModelParallelStrategy \(no COMMITTED marker, and no CURRENT naming a complete version\)"):
         strategy.load_checkpoint(tmp_path / "missing.ckpt")
