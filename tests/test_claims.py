@@ -172,6 +172,32 @@ def test_a_save_that_fails_midway_frees_the_writer(tmp_path, step: str) -> None:
     assert_same(read_checkpoint(tmp_path / "next")[0]["model.norm.weight"], _model(2)["model.norm.weight"], "next")
 
 
+class _PlannerFailsAfterSetUp(DefaultSavePlanner):
+    """Fails the save where DCP tells the writer nothing: in local planning, after set-up."""
+
+    def create_local_plan(self) -> Any:
+        raise RuntimeError("injected: the planner failed")
+
+
+def test_a_save_that_failed_where_the_writer_cannot_see_is_over_for_its_own_thread(tmp_path) -> None:
+    """A synchronous save failing in the planner leaves its claim with this thread: the next save
+    of this thread starts (a thread's saves cannot overlap), as does another thread's once the
+    failed save's thread has ended (each dcp.async_save runs on a thread of its own)."""
+    writer = HFStorageWriter()
+    with raises_in_checkpoint(RuntimeError, "injected: the planner failed"):
+        dcp.save(_model(1), storage_writer=writer, planner=_PlannerFailsAfterSetUp(), checkpoint_id=tmp_path / "a")
+    dcp.save(_model(1), storage_writer=writer, checkpoint_id=tmp_path / "b")  # this thread: starts
+    failed = dcp.async_save(_model(1), storage_writer=writer, planner=_PlannerFailsAfterSetUp(), checkpoint_id=tmp_path / "c")
+    with raises_in_checkpoint(RuntimeError, "injected: the planner failed"):
+        failed.result(timeout=WAIT_S)
+    holder = writer.claim._holder  # DCP never told the writer the save ended: still its thread's
+    if holder is not None:
+        holder.thread.join(WAIT_S)  # the async save's thread ends with its save
+    dcp.save(_model(2), storage_writer=writer, checkpoint_id=tmp_path / "d")
+    for name, seed in (("b", 1), ("d", 2)):
+        assert_same(read_checkpoint(tmp_path / name)[0]["model.norm.weight"], _model(seed)["model.norm.weight"], name)
+
+
 # -- the reader --------------------------------------------------------------------------------
 
 

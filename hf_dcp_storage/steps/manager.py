@@ -154,7 +154,8 @@ class CheckpointManager:
         The step becomes visible (``latest``) only once everything is written and rank 0 has
         written the commit marker; retention runs right after. With ``async_save`` the call
         returns once the tensors are staged (copied), and the returned future resolves to
-        ``step`` after the commit; a later ``save``/``load`` waits for it first.
+        ``step`` after the commit; a later ``save``/``load`` waits for it first, and raises its
+        error if it failed and the future's error was not read.
 
         Raises:
             ValueError: a bad step, or ranks disagreeing on it.
