@@ -18,10 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from hf_dcp_storage import CheckpointManager, HFStorageReader, HFStorageWriter
-
 from _checks import raises_in_checkpoint
 from _data import assert_same, read_checkpoint
+from hf_dcp_storage import CheckpointManager, HFStorageReader, HFStorageWriter
 
 WAIT_S = 60.0  # upper bound on any wait: a broken claim fails the test instead of hanging it
 REFUSED = r"still {doing} \S*{name}\S* in thread .* pass a new HFStorage{kind} to each {job}"

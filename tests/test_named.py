@@ -19,14 +19,13 @@ import fsspec
 import pytest
 import torch
 
+from _data import assert_same
+from _jobs import kill_job, run_job
+from _killpoints import arm
 from hf_dcp_storage.steps import folder as ckpt_folder
 from hf_dcp_storage.steps import named
 from hf_dcp_storage.steps.control import Control
 from hf_dcp_storage.steps.retention import COMMIT_MARKER
-
-from _data import assert_same
-from _jobs import kill_job, run_job
-from _killpoints import arm
 
 moto_only = pytest.mark.parametrize("s3_endpoint", ["moto"], indirect=True)
 JOB_TIMEOUT_S = 120.0

@@ -37,7 +37,7 @@ from .control import Control
 from .retention import COMMIT_MARKER
 from .runs import remove_folder
 
-__all__ = ["CURRENT_MARKER", "VERSION_PREFIX", "resolve", "save", "remove"]
+__all__ = ["CURRENT_MARKER", "VERSION_PREFIX", "remove", "resolve", "save"]
 
 CURRENT_MARKER = "CURRENT"
 VERSION_PREFIX = "v-"
