@@ -288,9 +288,6 @@ class CheckpointManager:
     def _broadcast(self, value: Any) -> Any:
         return self._ctl().broadcast(value)
 
-    def _all_gather(self, value: Any) -> list[Any]:
-        return self._ctl().all_gather(value)
-
     def _barrier(self) -> None:
         self._ctl().barrier()
 

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -242,9 +242,3 @@ def quietly(cleanup: Callable[[], None], what: str) -> None:
         cleanup()
     except Exception as exc:  # noqa: BLE001 - the original error is the one to report
         logger.warning("could not remove %s (%s); the next save to this path removes it", what, exc)
-
-
-def chunks_of(data: memoryview, size: int) -> Iterator[memoryview]:
-    """``data`` in pieces of at most ``size`` bytes."""
-    for at in range(0, len(data), size):
-        yield data[at : at + size]
