@@ -41,10 +41,9 @@ from _killpoints import ASSEMBLED_URLS, S3_ONLY, STAGED_ONLY, arm
 __all__ = ["KillOutcome", "kill_chain", "bare_kill", "moments_for", "model_state", "training_state"]
 
 KEEP = 2
-# Long enough for any rank of a small save to beat, short enough that a survivor of a one-rank
-# kill at the ranks' meeting gives up quickly.
 # A live rank beats every RANK_TIMEOUT / 10 s: 6 s is 10 missed beats of 0.6 s, which a loaded
-# machine does not cause; a survivor waits this long for a killed peer.
+# machine does not cause, and short enough that a survivor of a one-rank kill at the ranks'
+# meeting gives up soon.
 RANK_TIMEOUT = 6.0
 JOB_TIMEOUT = 120.0
 
