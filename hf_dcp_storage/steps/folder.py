@@ -83,7 +83,7 @@ def prepare(control: Control, step: int, training_state: Mapping[str, Any] | Non
 def clear(fs: AbstractFileSystem, folder: str, *, overwrite: bool, fix: str) -> str | None:
     """(rank 0) Make ``folder`` empty, or say why not: it is complete and ``overwrite`` is off
     (``fix`` tells the caller's way out). An incomplete folder is removed, marker first."""
-    if is_complete(fs, folder) and not overwrite:
+    if not overwrite and is_complete(fs, folder):  # with overwrite, no request to ask
         return f"{fsio.url_of(fs, folder)} is already a complete checkpoint; {fix}"
     if fsio.exists(fs, folder):
         # The marker goes first (remove_folder): from here on the folder is incomplete, never
