@@ -1,4 +1,5 @@
-"""What the benchmarks share: a sealed environment, S3 servers, rank processes, sampling, records, reports.
+"""What the benchmarks share: a sealed environment, S3 servers, rank processes, sampling, records,
+reports.
 
 A benchmark built on this module runs in this order (the parent is "the orchestrator"):
 
@@ -18,7 +19,8 @@ A benchmark built on this module runs in this order (the parent is "the orchestr
    ``ProcSampler`` saw inside the rank's ``CallWindow`` merged in; ``runner.emit(rec)`` prints one
    JSON line, appends it to ``work/results.jsonl`` and to ``runner.records``.
 5. The report: ``env_record(...)`` is the first JSON line (versions and machine facts);
-   ``median``/``fmt``/``fmt_mib``/``paired_ratios`` for the tables; ``write_report(path, text, raw)``.
+   ``median``/``fmt``/``fmt_mib``/``paired_ratios`` for the tables; ``write_report(path, text,
+   raw)``.
 
 The workload is shared too: a llama-like bf16 state dict (``model_dims`` for bench_save_load's
 GQA model, ``wide_model_dims`` for bench_s3's llama-7B widths; ``model_spec``), whose every shard
@@ -47,7 +49,6 @@ import shutil
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -61,7 +62,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - grouped by topic
     "GiB",
     "MiB",
     "DATA_ROOT",
@@ -148,8 +149,9 @@ T = TypeVar("T")
 # Environment
 # ------------------------------------------------------------------------------------------------
 
-# Fake credentials and a sealed AWS environment, as in tests/conftest.py: nothing from the
-# developer's machine (profiles, real keys, a configured endpoint, a proxy) reaches a benchmark.
+# Fake credentials and a sealed AWS environment, as in tests/support/storage_options.py: nothing
+# from the developer's machine (profiles, real keys, a configured endpoint, a proxy) reaches a
+# benchmark.
 FAKE_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -160,24 +162,34 @@ FAKE_AWS_ENV = {
     "NO_PROXY": "127.0.0.1,localhost",
     "no_proxy": "127.0.0.1,localhost",
 }
-UNSET_AWS_ENV = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION")
+UNSET_AWS_ENV = (
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+)
 
 
 def seal_aws_env() -> None:
-    """Set ``FAKE_AWS_ENV`` and drop ``UNSET_AWS_ENV`` in ``os.environ`` (spawned ranks inherit it)."""
+    """Set ``FAKE_AWS_ENV`` and drop ``UNSET_AWS_ENV`` in ``os.environ`` (spawned ranks inherit
+    it)."""
     os.environ.update(FAKE_AWS_ENV)
     for k in UNSET_AWS_ENV:
         os.environ.pop(k, None)
 
 
 def storage_options(endpoint: str, block_size: int | None = None) -> dict:
-    """tests/conftest.py's ``s3_storage_options`` (the same for moto and radosgw);
+    """tests/support/storage_options.py's ``s3_storage_options`` (the same for moto and radosgw);
     ``default_block_size`` only when given (otherwise s3fs's own default, 50 MiB, applies)."""
     opts: dict[str, Any] = {
         "anon": False,
         "key": "testing",
         "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint},  # no region_name: moto refuses bucket creation with it
+        "client_kwargs": {
+            "endpoint_url": endpoint
+        },  # no region_name: moto refuses bucket creation with it
         "skip_instance_cache": True,
         "use_listings_cache": False,
     }
@@ -187,7 +199,8 @@ def storage_options(endpoint: str, block_size: int | None = None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# S3 servers on loopback: moto (own process, request accounting) and Ceph radosgw (tests/_radosgw.py)
+# S3 servers on loopback: moto (own process, request accounting) and Ceph radosgw
+# (tests/support/radosgw.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -213,7 +226,11 @@ def start_server(kind: str, *, size: int, work: Path, moto_tmp: str | None = Non
         shm = Path("/dev/shm")
         if moto_tmp:
             spill = Path(tempfile.mkdtemp(prefix="bench_s3_moto_", dir=moto_tmp))
-        elif shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 * size + GiB:
+        elif (
+            shm.is_dir()
+            and os.access(shm, os.W_OK)
+            and shutil.disk_usage(shm).free > 4 * size + GiB
+        ):
             spill = Path(tempfile.mkdtemp(prefix="bench_s3_moto_", dir=shm))
         else:
             spill = work / "moto_tmp"
@@ -250,29 +267,37 @@ def start_moto(spill: Path, timeout: float = 120) -> Server:
 
     endpoint = f"http://{host}:{port}"
     handle = {"kind": "moto", "endpoint": endpoint, "counting": counting}
-    facts = {"moto": version("moto"), "moto_pid": proc.pid, "moto_tmp": str(spill), "moto_request_accounting": counting}
+    facts = {
+        "moto": version("moto"),
+        "moto_pid": proc.pid,
+        "moto_tmp": str(spill),
+        "moto_request_accounting": counting,
+    }
     return Server("moto", endpoint, handle, facts, stop)
 
 
 def _radosgw_module() -> Any:
-    tests = str(REPO / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import _radosgw
+    from tests.support import radosgw
 
-    return _radosgw
+    return radosgw
 
 
 def radosgw_unavailable() -> str | None:
-    """``None`` if ``tests/_radosgw.py`` can start a cluster here, else the one-line reason."""
+    """``None`` if ``tests/support/radosgw.py`` can start a cluster here, else the one-line
+    reason."""
     return _radosgw_module().radosgw_unavailable()
 
 
 def start_radosgw(state_dir: str | os.PathLike[str] | None = None) -> Server:
     """A one-node Ceph cluster (ceph-mon, memstore OSD, radosgw on 127.0.0.1) through
-    ``tests/_radosgw.py`` (``scripts/radosgw.sh``); ``stop()`` kills it and removes its state."""
+    ``tests/support/radosgw.py`` (``scripts/setup/radosgw.sh``); ``stop()`` kills it and removes its
+    state."""
     # A short state folder: Ceph's admin sockets (the perf counters) need paths under 108 bytes.
-    state = os.fspath(state_dir) if state_dir is not None else tempfile.mkdtemp(prefix="hf-dcp-rgw-bench-")
+    state = (
+        os.fspath(state_dir)
+        if state_dir is not None
+        else tempfile.mkdtemp(prefix="hf-dcp-rgw-bench-")
+    )
     endpoint, stop = _radosgw_module().start_radosgw(state)
     run = Path(state, "run")
     pids = {}
@@ -292,14 +317,21 @@ def start_radosgw(state_dir: str | os.PathLike[str] | None = None) -> Server:
     handle["qactive_idle"] = (s.get("rgw") or {}).get("qactive", 0)
     ceph = "?"
     with contextlib.suppress(Exception):
-        ceph = subprocess.run(["radosgw", "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+        ceph = subprocess.run(
+            ["radosgw", "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout.strip()
     memstore = None
     with contextlib.suppress(OSError, ValueError):
         for line in Path(state, "ceph.conf").read_text().splitlines():
             if line.strip().startswith("memstore device bytes"):
                 memstore = int(line.split("=", 1)[1])
-    facts = {"ceph": ceph, "radosgw_state": state, "radosgw_pids": pids, "memstore_device_bytes": memstore,
-             "radosgw_perf_counters": s.get("rgw") is not None}
+    facts = {
+        "ceph": ceph,
+        "radosgw_state": state,
+        "radosgw_pids": pids,
+        "memstore_device_bytes": memstore,
+        "radosgw_perf_counters": s.get("rgw") is not None,
+    }
     return Server("radosgw", endpoint, handle, facts, stop)
 
 
@@ -342,7 +374,9 @@ class _Counter:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.lock = threading.Lock()
-        self.ops: dict[str, list[float]] = {}  # op -> [requests, bytes_in, bytes_out, copied, busy_s]
+        self.ops: dict[
+            str, list[float]
+        ] = {}  # op -> [requests, bytes_in, bytes_out, copied, busy_s]
         self.inflight = 0
 
     def snapshot(self) -> dict:
@@ -355,7 +389,13 @@ class _Counter:
                 if line.startswith(("VmRSS:", "VmHWM:")):
                     k, v = line.split(":", 1)
                     mem[k] = int(v.split()[0]) // 1024
-        return {"ops": ops, "inflight": inflight, "cpu_s": time.process_time(), "rss_mib": mem.get("VmRSS"), "hwm_mib": mem.get("VmHWM")}
+        return {
+            "ops": ops,
+            "inflight": inflight,
+            "cpu_s": time.process_time(),
+            "rss_mib": mem.get("VmRSS"),
+            "hwm_mib": mem.get("VmHWM"),
+        }
 
     def _record(self, op: str, nin: int, nout: int, copied: int, busy: float) -> None:
         with self.lock:
@@ -370,10 +410,14 @@ class _Counter:
     def __call__(self, environ: dict, start_response: Callable) -> Any:
         if environ.get("PATH_INFO") == STATS_PATH:
             body = json.dumps(self.snapshot()).encode()
-            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            start_response(
+                "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+            )
             return [body]
         op = _classify(environ)
-        nin = int(environ.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH") or environ.get("CONTENT_LENGTH") or 0)
+        nin = int(
+            environ.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH") or environ.get("CONTENT_LENGTH") or 0
+        )
         copied = 0
         rng = environ.get("HTTP_X_AMZ_COPY_SOURCE_RANGE", "")
         if rng.startswith("bytes="):
@@ -420,11 +464,17 @@ def _moto_main(conn: Any, tmpdir: str) -> None:
         counting = False
 
         def _server_entry(self) -> None:  # ThreadedMotoServer's own, with the app wrapped
-            from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+            from moto.moto_server.werkzeug_app import (
+                DomainDispatcherApplication,
+                MotoRequestHandler,
+                create_backend_app,
+            )
             from werkzeug.serving import make_server
 
             app = _Counter(DomainDispatcherApplication(create_backend_app))
-            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+            self._server = make_server(
+                self._ip_address, self._port, app, True, request_handler=MotoRequestHandler
+            )
             type(self).counting = True
             self._server_ready_event.set()
             self._server.serve_forever()
@@ -432,7 +482,7 @@ def _moto_main(conn: Any, tmpdir: str) -> None:
     try:
         server = CountingMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
-    except Exception:  # moto internals changed: plain server, no request accounting
+    except Exception:  # noqa: BLE001 - moto internals changed: plain server, no request accounting
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
     host, port = server.get_host_and_port()
@@ -446,7 +496,7 @@ def _moto_stats(endpoint: str) -> dict | None:
     try:
         with urllib.request.urlopen(endpoint + STATS_PATH, timeout=30) as r:
             return {"kind": "moto", **json.load(r)}
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort: any failure reads as unknown
         return None
 
 
@@ -516,7 +566,9 @@ def stats_delta(a: dict | None, b: dict | None) -> dict | None:
     if b.get("kind") == "radosgw":
         out: dict = {
             "server_cpu_s": round(b["cpu_s"] - a["cpu_s"], 3),
-            "server_cpu_by": {k: round(v - a["cpu_by"].get(k, 0.0), 3) for k, v in b["cpu_by"].items()},
+            "server_cpu_by": {
+                k: round(v - a["cpu_by"].get(k, 0.0), 3) for k, v in b["cpu_by"].items()
+            },
             "server_rss_mib": b["rss_mib"],
             "server_copied": None,  # not counted on radosgw
         }
@@ -525,10 +577,18 @@ def stats_delta(a: dict | None, b: dict | None) -> dict | None:
             d = {k: rb[k] - ra[k] for k in ("req", "get", "get_b", "put", "put_b")}
 
             def op(requests: int, bytes_in: int, bytes_out: int) -> dict:
-                return {"requests": requests, "bytes_in": bytes_in, "bytes_out": bytes_out, "copied": 0, "busy_s": None}
+                return {
+                    "requests": requests,
+                    "bytes_in": bytes_in,
+                    "bytes_out": bytes_out,
+                    "copied": 0,
+                    "busy_s": None,
+                }
 
             out.update(
-                requests=d["req"], bytes_in=d["put_b"], bytes_out=d["get_b"],
+                requests=d["req"],
+                bytes_in=d["put_b"],
+                bytes_out=d["get_b"],
                 ops={
                     "GetObject/HeadObject": op(d["get"], 0, d["get_b"]),
                     "PutObject/UploadPart": op(d["put"], d["put_b"], 0),
@@ -538,9 +598,15 @@ def stats_delta(a: dict | None, b: dict | None) -> dict | None:
         return out
     ops = {}
     for name, row in b["ops"].items():
-        d = [x - y for x, y in zip(row, a["ops"].get(name, [0, 0, 0, 0, 0.0]))]
+        d = [x - y for x, y in zip(row, a["ops"].get(name, [0, 0, 0, 0, 0.0]), strict=False)]
         if d[0]:
-            ops[name] = {"requests": int(d[0]), "bytes_in": int(d[1]), "bytes_out": int(d[2]), "copied": int(d[3]), "busy_s": round(d[4], 3)}
+            ops[name] = {
+                "requests": int(d[0]),
+                "bytes_in": int(d[1]),
+                "bytes_out": int(d[2]),
+                "copied": int(d[3]),
+                "busy_s": round(d[4], 3),
+            }
     return {
         "requests": sum(o["requests"] for o in ops.values()),
         "bytes_in": sum(o["bytes_in"] for o in ops.values()),
@@ -560,9 +626,25 @@ def collect_garbage(handle: dict) -> None:
     state = handle["state"]
     with contextlib.suppress(Exception):
         subprocess.run(
-            ["radosgw-admin", "-c", f"{state}/ceph.conf", "-n", "client.rgw", "--log-file", f"{state}/log/radosgw-admin.log",
-             "--admin-socket", "", "gc", "process", "--include-all"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False,
+            [
+                "radosgw-admin",
+                "-c",
+                f"{state}/ceph.conf",
+                "-n",
+                "client.rgw",
+                "--log-file",
+                f"{state}/log/radosgw-admin.log",
+                "--admin-socket",
+                "",
+                "gc",
+                "process",
+                "--include-all",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=120,
+            check=False,
         )
 
 
@@ -577,7 +659,9 @@ def wait_idle(handle: dict) -> None:
         if s["kind"] == "moto" and s["inflight"] == 0:
             return
         # radosgw's qactive reads 1 on an idle gateway here: compare with its idle reading
-        if s["kind"] == "radosgw" and (s.get("rgw") or {}).get("qactive", 0) <= handle.get("qactive_idle", 0):
+        if s["kind"] == "radosgw" and (s.get("rgw") or {}).get("qactive", 0) <= handle.get(
+            "qactive_idle", 0
+        ):
             return
         time.sleep(0.5)
 
@@ -713,14 +797,26 @@ class Dims:
 
 
 # (vocab, hidden, intermediate, kv) presets, largest first; TinyLlama-like at the top.
-_PRESETS = [(32000, 2048, 5632, 256), (16000, 1024, 2816, 256), (8000, 512, 1408, 128), (2048, 256, 704, 64)]
+_PRESETS = [
+    (32000, 2048, 5632, 256),
+    (16000, 1024, 2816, 256),
+    (8000, 512, 1408, 128),
+    (2048, 256, 704, 64),
+]
 # (vocab, hidden, intermediate), MHA (k/v as wide as q); llama-7B widths first, then halvings for
 # smoke tests whose target is smaller than one 7B-wide layer.
-_WIDE_PRESETS = [(8192, 4096, 11008), (4096, 2048, 5504), (2048, 1024, 2752), (1024, 512, 1376), (512, 256, 704)]
+_WIDE_PRESETS = [
+    (8192, 4096, 11008),
+    (4096, 2048, 5504),
+    (2048, 1024, 2752),
+    (1024, 512, 1376),
+    (512, 256, 704),
+]
 
 
 def model_dims(size_gb: float) -> Dims:
-    """bench_save_load's model (GQA): a preset whose embeddings are small next to the target, then the layer count."""
+    """bench_save_load's model (GQA): a preset whose embeddings are small next to the target, then
+    the layer count."""
     target = size_gb * GiB
     for v, h, i, kv in _PRESETS:
         fixed = (2 * v * h + h) * 2
@@ -732,7 +828,8 @@ def model_dims(size_gb: float) -> Dims:
 
 
 def wide_model_dims(size_mb: float) -> Dims:
-    """bench_s3's model: llama-7B widths, MHA (k/v as wide as q), few layers and a small vocab, about ``size_mb`` MiB."""
+    """bench_s3's model: llama-7B widths, MHA (k/v as wide as q), few layers and a small vocab,
+    about ``size_mb`` MiB."""
     target = size_mb * MiB
     for v, h, i in _WIDE_PRESETS:
         fixed = (2 * v * h + h) * 2
@@ -803,7 +900,9 @@ def original_full(key: str, shape: tuple[int, ...], world: int) -> torch.Tensor:
     return torch.cat([make_shard(key, shape, r, world) for r in range(world)])
 
 
-def expected_local(key: str, shape: tuple[int, ...], rank: int, world: int, layout: str) -> torch.Tensor:
+def expected_local(
+    key: str, shape: tuple[int, ...], rank: int, world: int, layout: str
+) -> torch.Tensor:
     """What ``rank`` must hold of ``key`` after a load into ``layout`` (see ``shard_dim``)."""
     dim = shard_dim(shape, layout)
     if dim == 0:
@@ -816,7 +915,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (the data holds NaN patterns, so no float ==)."""
     import torch
 
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+    )
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -828,8 +931,15 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(st))
 
 
-def dtensor_state_dict(spec: Sequence[tuple[str, tuple[int, ...]]], mesh: Any, rank: int, world: int, *, fill: str,
-                       layout: str = "row") -> dict:
+def dtensor_state_dict(
+    spec: Sequence[tuple[str, tuple[int, ...]]],
+    mesh: Any,
+    rank: int,
+    world: int,
+    *,
+    fill: str,
+    layout: str = "row",
+) -> dict:
     """``rank``'s state dict of ``spec`` as DTensors sharded by ``layout`` (see ``shard_dim``).
     ``fill="data"``: the original bits (row layout only); otherwise zeros, allocated and touched
     before any timed call, so a load destination is already in the RSS baseline."""
@@ -841,12 +951,24 @@ def dtensor_state_dict(spec: Sequence[tuple[str, tuple[int, ...]]], mesh: Any, r
         dim = shard_dim(shape, layout)
         if fill == "data":
             if dim != 0:
-                raise ValueError(f"fill='data' makes Shard(0) chunks only; got layout={layout!r} for {key} {shape}")
+                raise ValueError(
+                    f"fill='data' makes Shard(0) chunks only; got layout={layout!r} for {key} "
+                    f"{shape}"
+                )
             local = make_shard(key, shape, rank, world)
         else:
             _, n = local_shape((shape[dim],), rank, world)
-            local = torch.zeros([n if d == dim else s for d, s in enumerate(shape)], dtype=torch.bfloat16)
-        sd[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape))
+            local = torch.zeros(
+                [n if d == dim else s for d, s in enumerate(shape)], dtype=torch.bfloat16
+            )
+        sd[key] = DTensor.from_local(
+            local,
+            mesh,
+            [Shard(dim)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=contiguous_stride(shape),
+        )
     return sd
 
 
@@ -869,8 +991,8 @@ class Timed(NamedTuple):
 
 
 def init_dist(rank: int, world: int, rdzv: str, timeout_s: float | None = None) -> tuple[Any, Any]:
-    """Join a gloo group through the ``file://`` rendezvous ``rdzv``; ``(torch.distributed, 1-D CPU mesh)``.
-    ``timeout_s``: the collectives' timeout (default: torch's)."""
+    """Join a gloo group through the ``file://`` rendezvous ``rdzv``; ``(torch.distributed, 1-D CPU
+    mesh)``. ``timeout_s``: the collectives' timeout (default: torch's)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -926,7 +1048,9 @@ def gather_results(dist: Any, rank: int, world: int, rec: dict, path: str) -> No
     dist.barrier()
 
 
-def timed_subclass(cls: type, names: Sequence[str], around: Callable[[Any, str], Any] | None = None) -> type:
+def timed_subclass(
+    cls: type, names: Sequence[str], around: Callable[[Any, str], Any] | None = None
+) -> type:
     """A subclass of ``cls`` whose methods ``names`` add their wall time to ``self.bench_t[name]``
     (benchmark-only instrumentation; no behaviour change). ``around(self, name)``, if given, is a
     context manager entered before the method's clock starts and left after it stops."""
@@ -949,7 +1073,8 @@ def timed_subclass(cls: type, names: Sequence[str], around: Callable[[Any, str],
 
 
 def _with_peaks(per_rank: list[dict], sampler: ProcSampler) -> list[dict]:
-    """Merge the sampled extra peak into each record that carries a ``CallWindow``; drop the raw window."""
+    """Merge the sampled extra peak into each record that carries a ``CallWindow``; drop the raw
+    window."""
     for rec in per_rank:
         if "pid" in rec:
             rec.update(sampler.peak_extra(rec))
@@ -976,7 +1101,9 @@ def run_ranks(
     ``ProcessRaisedException`` / ``ProcessExitedException`` when a rank fails."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(main, args=(world, job), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        main, args=(world, job), nprocs=world, join=False, start_method="spawn"
+    )
     sampler = ProcSampler(sample_ms / 1000).start([p.pid for p in ctx.processes])
     start = time.time()
     try:
@@ -995,7 +1122,9 @@ def run_ranks(
                     p.join()
                 if over_call:
                     raise CallTimeout(f"call still running after {now - t0:.0f} s; ranks killed")
-                raise TimeoutError(f"measurement still running after {now - start:.0f} s; ranks killed")
+                raise TimeoutError(
+                    f"measurement still running after {now - start:.0f} s; ranks killed"
+                )
     finally:
         sampler.stop()
     with open(job["result"]) as f:
@@ -1034,7 +1163,7 @@ class Runner:
         self.work = work
         self.records: list[dict] = []
         self.seq = 0
-        self.jsonl = open(work / jsonl, "a") if jsonl else None
+        self.jsonl = open(work / jsonl, "a") if jsonl else None  # noqa: SIM115 - closed by close()
 
     def emit(self, rec: dict) -> None:
         line = json.dumps(rec)
@@ -1071,7 +1200,8 @@ class Runner:
 
 def select(only: str | None, choices: dict[str, str], what: str = "contender") -> list[str]:
     """The names an ``--only`` comma list picks (each by letter or name), in ``choices``' order;
-    every name when ``only`` is empty. Raises ``SystemExit`` naming the unknown entry and the choices."""
+    every name when ``only`` is empty. Raises ``SystemExit`` naming the unknown entry and the
+    choices."""
     if not only:
         return list(choices.values())
     picked = set()
@@ -1103,7 +1233,8 @@ def max_over(per_rank: list[dict], key: str) -> Any:
 
 
 def make_work_dir(prefix: str, parent: str | None = None) -> Path:
-    """A fresh folder ``<parent>/<prefix>XXXX`` (default parent: ``DATA_ROOT``, created as needed)."""
+    """A fresh folder ``<parent>/<prefix>XXXX`` (default parent: ``DATA_ROOT``, created as
+    needed)."""
     root = Path(parent).resolve() if parent else DATA_ROOT
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
@@ -1141,7 +1272,8 @@ def fmt_mib(n: float | None) -> str:
 
 def paired_ratios(rows: list[dict], a: str, b: str) -> list[float]:
     """time_s of contender ``a`` / of ``b`` per repeat, for the repeats where both ran (and are not
-    ``ok: False``), by repeat: contenders of one repeat run back to back, which cancels slow drifts."""
+    ``ok: False``), by repeat: contenders of one repeat run back to back, which cancels slow
+    drifts."""
     by = {(r["contender"], r["repeat"]): r["time_s"] for r in rows if r.get("ok", True)}
     return [by[(a, k)] / by[(b, k)] for (n, k) in sorted(by) if n == a and (b, k) in by]
 
@@ -1157,17 +1289,29 @@ def version(mod: str) -> str:
         from importlib.metadata import version as _v
 
         return _v(mod)
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort: any failure reads as unknown
         return "?"
 
 
 def git_rev() -> str:
     """The checkout's commit, with "+dirty" when the library folder has uncommitted changes."""
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "hf_dcp_storage"], capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "hf_dcp_storage"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
         return (rev + ("+dirty" if dirty else "")) or "?"
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort: any failure reads as unknown
         return "?"
 
 
@@ -1181,7 +1325,7 @@ def cpu_model() -> str:
 
 
 def fs_type(path: Path) -> str:
-    """"<fstype> on <device>" of the mount holding ``path``."""
+    """\"<fstype> on <device>" of the mount holding ``path``."""
     best, fstype = "", "?"
     with contextlib.suppress(OSError), open("/proc/mounts") as f:
         for line in f:
@@ -1196,7 +1340,9 @@ def mem_gib() -> float:
     return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
 
 
-def env_record(packages: Sequence[str], *, with_cpu_model: bool = False, work: Path | None = None) -> dict:
+def env_record(
+    packages: Sequence[str], *, with_cpu_model: bool = False, work: Path | None = None
+) -> dict:
     """The first JSON line of a run: ``phase: env``, date, python, torch, the versions of
     ``packages``, git, cpus, the CPU model (``with_cpu_model``), RAM, and the work folder with its
     file system (``work``). The caller appends its own keys."""

@@ -15,27 +15,30 @@ one the remainder, and the trailing shards none; an empty shard reports its offs
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 __all__ = [
-    "LlamaConfig",
     "LLAMA",
+    "LlamaConfig",
     "Mesh",
-    "llama_shapes",
-    "shard_range",
-    "placements_for",
-    "local_chunk",
-    "rank_save_plan",
-    "count_runs",
     "ShapeOnlyShard",
+    "count_runs",
+    "llama_shapes",
+    "local_chunk",
+    "placements_for",
     "rank_load_state_dict",
+    "rank_save_plan",
+    "shard_range",
 ]
 
 Shape = tuple[int, ...]
@@ -45,7 +48,8 @@ Placements = tuple[int | None, ...]
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The widths that fix a Llama checkpoint's tensor shapes (GQA: ``kv_dim`` = kv heads x head dim)."""
+    """The widths that fix a Llama checkpoint's tensor shapes (GQA: ``kv_dim`` = kv heads x head
+    dim)."""
 
     layers: int
     hidden: int
@@ -99,7 +103,9 @@ class Mesh:
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1:
-            raise ValueError(f"mesh ({self.dp}, {self.tp}) must have at least one rank on each dimension")
+            raise ValueError(
+                f"mesh ({self.dp}, {self.tp}) must have at least one rank on each dimension"
+            )
 
     @property
     def size(self) -> int:
@@ -116,7 +122,10 @@ class Mesh:
     def of(cls, world: int, tp: int) -> Mesh:
         """The mesh of ``world`` ranks with ``tp``-way tensor parallelism."""
         if world % tp:
-            raise ValueError(f"{world} ranks do not split into tensor-parallel groups of {tp}; pick a multiple of {tp}")
+            raise ValueError(
+                f"{world} ranks do not split into tensor-parallel groups of {tp}; pick a multiple "
+                f"of {tp}"
+            )
         return cls(world // tp, tp)
 
 
@@ -141,11 +150,15 @@ def local_chunk(shape: Shape, mesh: Mesh, placements: Placements, rank: int) -> 
     """``(offsets, sizes)`` of ``rank``'s local shard of a tensor of global ``shape``.
 
     Raises:
-        ValueError: two mesh dimensions shard one tensor dimension (``_StridedShard``, not modelled).
+        ValueError: two mesh dimensions shard one tensor dimension (``_StridedShard``, not
+        modelled).
     """
     sharded = [d for d in placements if d is not None]
     if len(set(sharded)) != len(sharded):
-        raise ValueError(f"placements {placements} shard one tensor dimension twice; only distinct dimensions are modelled")
+        raise ValueError(
+            f"placements {placements} shard one tensor dimension twice; only distinct dimensions "
+            "are modelled"
+        )
     offsets, sizes = [0] * len(shape), list(shape)
     for mesh_dim, coord in enumerate(mesh.coordinate(rank)):
         d = placements[mesh_dim]
@@ -169,10 +182,16 @@ def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _properties(dtype: torch.dtype, sizes: Sequence[int]) -> TensorProperties:
-    return TensorProperties(dtype=dtype, strides=_contiguous_strides(sizes)) if _HAS_STRIDES else TensorProperties(dtype=dtype)
+    return (
+        TensorProperties(dtype=dtype, strides=_contiguous_strides(sizes))
+        if _HAS_STRIDES
+        else TensorProperties(dtype=dtype)
+    )
 
 
-def rank_save_plan(shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int, dtype: torch.dtype = torch.bfloat16) -> SavePlan:
+def rank_save_plan(
+    shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int, dtype: torch.dtype = torch.bfloat16
+) -> SavePlan:
     """The ``SavePlan`` ``DefaultSavePlanner.create_local_plan`` makes on ``rank`` for a flat
     state dict of DTensors of these shapes: one SHARD item per key, and ``planner_data`` the
     flattening map ``{key: (key,)}``. Every item gets its own objects, as DCP builds them, so
@@ -185,7 +204,9 @@ def rank_save_plan(shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int, d
                 index=MetadataIndex(key, torch.Size(offsets)),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    chunk=ChunkStorageMetadata(
+                        offsets=torch.Size(offsets), sizes=torch.Size(sizes)
+                    ),
                     properties=_properties(dtype, sizes),
                     size=torch.Size(shape),
                 ),
@@ -235,7 +256,9 @@ class ShapeOnlyShard:
         return [self._chunk]
 
 
-def rank_load_state_dict(shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int) -> dict[str, ShapeOnlyShard]:
+def rank_load_state_dict(
+    shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int
+) -> dict[str, ShapeOnlyShard]:
     """``rank``'s destination state dict for a load onto ``mesh``: one shape-only shard per key."""
     out = {}
     for key, shape in shapes:

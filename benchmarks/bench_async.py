@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Async save benchmark: ``dcp.async_save`` through ``HFStorageWriter`` against a synchronous ``dcp.save``.
+"""Async save benchmark: ``dcp.async_save`` through ``HFStorageWriter`` against a synchronous
+``dcp.save``.
 
 The state dict is ``bench_save_load.py``'s llama-like bf16 model (~1 GiB by default), every tensor
 a ``Shard(0)`` DTensor over ``--ranks`` CPU ranks (gloo, ``file://`` rendezvous). Every measurement
@@ -38,7 +39,7 @@ output is deleted after it, except the last sync and async outputs of each backe
 indexes (weight map, sizes and every tensor's CRC32) must be equal, and ``verify_checkpoint``
 must find the async one sound (every tensor's bytes re-read against its CRC32).
 
-Run ``python benchmarks/bench_async.py --help`` for the flags.
+Run ``python -m benchmarks.bench_async --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -59,14 +60,33 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
 # bench_save_load's model on local disk, bench_s3's on S3 (moto), and the rank and RSS machinery.
-from _harness import (
-    MiB, Runner, Server, dtensor_state_dict, env_record, fmt, gather_results, init_dist, interleave, make_work_dir, max_over, median,
-    model_dims, model_spec, remove_work_dir, run_ranks, seal_aws_env, select, start_server, status_kib, storage_options, timed_call,
-    total_bytes, wide_model_dims, write_report,
+from benchmarks._harness import (
+    MiB,
+    Runner,
+    Server,
+    dtensor_state_dict,
+    env_record,
+    fmt,
+    gather_results,
+    init_dist,
+    interleave,
+    make_work_dir,
+    max_over,
+    median,
+    model_dims,
+    model_spec,
+    remove_work_dir,
+    run_ranks,
+    seal_aws_env,
+    select,
+    start_server,
+    status_kib,
+    storage_options,
+    timed_call,
+    total_bytes,
+    wide_model_dims,
+    write_report,
 )
 
 MODES = {"s": "sync", "a": "async", "t": "async_train"}
@@ -116,7 +136,9 @@ def _writer(url: str, cfg: dict):
     from hf_dcp_storage import HFStorageWriter
 
     kw = {} if cfg["threads"] is None else {"thread_count": cfg["threads"]}
-    return HFStorageWriter(url, storage_options=cfg["opts"], max_shard_size=cfg["max_shard_size"], **kw)
+    return HFStorageWriter(
+        url, storage_options=cfg["opts"], max_shard_size=cfg["max_shard_size"], **kw
+    )
 
 
 def _warmup(mode: str, mesh, rank: int, world: int, url: str, cfg: dict, group) -> None:
@@ -204,9 +226,18 @@ def rank_main(rank: int, world: int, job: dict) -> None:
         dist.barrier()
         alone = trainer.run_for(cfg["baseline_s"])  # both ranks at once, as during the save
     # The call measures its own times (blocked, total); the window ends when the future is done.
-    timed = timed_call(dist, lambda: _timed_save(mode, sd, job["out"], cfg, group, trainer), trailing_barrier=False)
+    timed = timed_call(
+        dist, lambda: _timed_save(mode, sd, job["out"], cfg, group, trainer), trailing_barrier=False
+    )
     res, mem = timed.result, timed.mem
-    rec = {"rank": rank, **mem, "staged_mib": staged / MiB, "train_alone_per_s": alone, **res, **_left_after(mem["base_kib"])}
+    rec = {
+        "rank": rank,
+        **mem,
+        "staged_mib": staged / MiB,
+        "train_alone_per_s": alone,
+        **res,
+        **_left_after(mem["base_kib"]),
+    }
     if "at_return_kib" in rec:
         rec["at_return_mib"] = (rec.pop("at_return_kib")["VmRSS"] - mem["base_kib"]["VmRSS"]) / 1024
     gather_results(dist, rank, world, rec, job["result"])
@@ -222,7 +253,14 @@ def rank_main(rank: int, world: int, job: dict) -> None:
 class Backend:
     """Where the checkpoints go (``url(name)``, ``remove(url)``) and the model saved there."""
 
-    def __init__(self, kind: str, root: str, opts: dict | None, spec: list[tuple[str, tuple[int, ...]]], dims: Any) -> None:
+    def __init__(
+        self,
+        kind: str,
+        root: str,
+        opts: dict | None,
+        spec: list[tuple[str, tuple[int, ...]]],
+        dims: Any,
+    ) -> None:
         self.kind, self.root, self.opts = kind, root, opts
         self.spec, self.dims, self.size = spec, dims, total_bytes(spec)
         import fsspec
@@ -240,10 +278,24 @@ class Backend:
 def _summarize_rec(per_rank: list[dict]) -> dict:
     """One measurement's figures from its ranks: times are maxima, memory maxima, rates sums."""
 
-    out = {k: max_over(per_rank, k) for k in ("blocked_s", "total_s", "staged_mib", "at_return_mib", "rss_extra_mib", "anon_extra_mib", "left_after_mib", "left_after_trim_mib")}
+    out = {
+        k: max_over(per_rank, k)
+        for k in (
+            "blocked_s",
+            "total_s",
+            "staged_mib",
+            "at_return_mib",
+            "rss_extra_mib",
+            "anon_extra_mib",
+            "left_after_mib",
+            "left_after_trim_mib",
+        )
+    }
     if all(r.get("train_steps") is not None for r in per_rank):
         out["train_alone_per_s"] = sum(r["train_alone_per_s"] for r in per_rank)
-        out["train_during_per_s"] = sum(r["train_steps"] / r["train_s"] for r in per_rank if r["train_s"] > 0)
+        out["train_during_per_s"] = sum(
+            r["train_steps"] / r["train_s"] for r in per_rank if r["train_s"] > 0
+        )
         out["train_steps"] = sum(r["train_steps"] for r in per_rank)
     return out
 
@@ -251,9 +303,22 @@ def _summarize_rec(per_rank: list[dict]) -> dict:
 def measure(runner: Runner, backend: Backend, mode: str, rep: int, cfg: dict, world: int) -> dict:
     """One measurement in fresh processes; its record (``ok``: False with the error on failure).
     The peak RSS is taken inside [call start, call end]; the call ends after the future is done."""
-    job = runner.job(f"{backend.kind}_{mode}", mode=mode, cfg={**cfg, "opts": backend.opts}, spec=backend.spec, out=backend.url(f"{mode}_r{rep}"))
+    job = runner.job(
+        f"{backend.kind}_{mode}",
+        mode=mode,
+        cfg={**cfg, "opts": backend.opts},
+        spec=backend.spec,
+        out=backend.url(f"{mode}_r{rep}"),
+    )
     job["scratch"] = backend.url(f"warmup_{job['tag']}")
-    rec: dict[str, Any] = {"phase": "save", "backend": backend.kind, "mode": mode, "repeat": rep, "size_bytes": backend.size, "out": job["out"]}
+    rec: dict[str, Any] = {
+        "phase": "save",
+        "backend": backend.kind,
+        "mode": mode,
+        "repeat": rep,
+        "size_bytes": backend.size,
+        "out": job["out"],
+    }
     t0 = time.time()
     try:
         if backend.kind == "local":
@@ -279,8 +344,15 @@ def verify_pair(backend: Backend, sync_url: str, async_url: str) -> dict:
 
     same_index = index(sync_url) == index(async_url)
     report = verify_checkpoint(async_url, storage_options=backend.opts)
-    return {"phase": "verify", "backend": backend.kind, "same_index": same_index, "sound": report.ok,
-            "tensors": report.tensors_checked, "bytes": report.bytes_checked, "problems": [str(p) for p in report.problems][:5]}
+    return {
+        "phase": "verify",
+        "backend": backend.kind,
+        "same_index": same_index,
+        "sound": report.ok,
+        "tensors": report.tensors_checked,
+        "bytes": report.bytes_checked,
+        "problems": [str(p) for p in report.problems][:5],
+    }
 
 
 def summarize(records: list[dict]) -> str:
@@ -288,9 +360,9 @@ def summarize(records: list[dict]) -> str:
     saves = [r for r in records if r.get("phase") == "save" and r.get("ok")]
     lines = [
         (
-            "| backend | MiB | mode | blocked s | total s | runs total s | total × sync | GB/s (total) | staged MiB/rank "
-            "| RSS at return MiB/rank | extra peak RSS MiB/rank (max) | left after (after malloc_trim) MiB/rank "
-            "| train steps/s alone | during write | kept |"
+            "| backend | MiB | mode | blocked s | total s | runs total s | total × sync | GB/s "
+            "(total) | staged MiB/rank | RSS at return MiB/rank | extra peak RSS MiB/rank (max) | "
+            "left after (after malloc_trim) MiB/rank | train steps/s alone | during write | kept |"
         ),
         "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -302,44 +374,120 @@ def summarize(records: list[dict]) -> str:
             rs = [r for r in rows if r["mode"] == mode]
             if not rs:
                 continue
-            med = {k: median([r.get(k) for r in rs]) for k in ("blocked_s", "total_s", "staged_mib", "at_return_mib", "left_after_mib", "left_after_trim_mib", "train_alone_per_s", "train_during_per_s")}
+            med = {
+                k: median([r.get(k) for r in rs])
+                for k in (
+                    "blocked_s",
+                    "total_s",
+                    "staged_mib",
+                    "at_return_mib",
+                    "left_after_mib",
+                    "left_after_trim_mib",
+                    "train_alone_per_s",
+                    "train_during_per_s",
+                )
+            }
             peak = max(r["rss_extra_mib"] for r in rs)
-            kept = med["train_during_per_s"] / med["train_alone_per_s"] if med["train_alone_per_s"] else None
+            kept = (
+                med["train_during_per_s"] / med["train_alone_per_s"]
+                if med["train_alone_per_s"]
+                else None
+            )
             runs = ", ".join(f"{r['total_s']:.2f}" for r in sorted(rs, key=lambda r: r["repeat"]))
             lines.append(
-                f"| {kind} | {size / MiB:.0f} | {mode} | {fmt(med['blocked_s'])} | {fmt(med['total_s'])} | {runs} | "
-                f"{fmt(med['total_s'] / sync_total if sync_total else None)} | {fmt(size / med['total_s'] / 1e9)} | "
-                f"{fmt(med['staged_mib'], '.0f')} | {fmt(med['at_return_mib'], '.0f') if mode != 'sync' else '-'} | {peak:.0f} | "
-                f"{fmt(med['left_after_mib'], '.0f')} ({fmt(med['left_after_trim_mib'], '.0f')}) | {fmt(med['train_alone_per_s'], '.1f')} | "
-                f"{fmt(med['train_during_per_s'], '.1f')} | {fmt(kept * 100 if kept else None, '.0f')}{'%' if kept else ''} |"
+                f"| {kind} | {size / MiB:.0f} | {mode} | {fmt(med['blocked_s'])} | "
+                f"{fmt(med['total_s'])} | {runs} | "
+                f"{fmt(med['total_s'] / sync_total if sync_total else None)} | "
+                f"{fmt(size / med['total_s'] / 1e9)} | {fmt(med['staged_mib'], '.0f')} | "
+                f"{fmt(med['at_return_mib'], '.0f') if mode != 'sync' else '-'} | {peak:.0f} | "
+                f"{fmt(med['left_after_mib'], '.0f')} ({fmt(med['left_after_trim_mib'], '.0f')}) "
+                f"| {fmt(med['train_alone_per_s'], '.1f')} | "
+                f"{fmt(med['train_during_per_s'], '.1f')} | "
+                f"{fmt(kept * 100 if kept else None, '.0f')}{'%' if kept else ''} |"
             )
     for v in (r for r in records if r.get("phase") == "verify"):
         lines.append("")
         lines.append(
-            f"- {v['backend']}: last async output vs last sync output: index (weight map, sizes, CRC32 of every "
-            f"tensor) {'identical' if v['same_index'] else 'DIFFERENT'}; `verify_checkpoint` of the async output "
-            f"{'sound' if v['sound'] else 'NOT sound: ' + '; '.join(v['problems'])} ({v['tensors']} tensors, {v['bytes']} bytes re-read)"
+            f"- {v['backend']}: last async output vs last sync output: index (weight map, sizes, "
+            f"CRC32 of every tensor) {'identical' if v['same_index'] else 'DIFFERENT'}; "
+            "`verify_checkpoint` of the async output "
+            f"{'sound' if v['sound'] else 'NOT sound: ' + '; '.join(v['problems'])} "
+            f"({v['tensors']} tensors, {v['bytes']} bytes re-read)"
         )
-    for r in (r for r in records if r.get("ok") is False):
-        lines.append(f"- FAILED: {r.get('phase')} {r.get('backend')} {r.get('mode')} repeat {r.get('repeat')}: {r.get('error')}")
+    lines.extend(
+        (
+            f"- FAILED: {r.get('phase')} {r.get('backend')} {r.get('mode')} repeat "
+            f"{r.get('repeat')}: {r.get('error')}"
+        )
+        for r in records
+        if r.get("ok") is False
+    )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-gb", type=float, default=1.0, help="state dict size in GiB (default 1.0)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--size-gb", type=float, default=1.0, help="state dict size in GiB (default 1.0)"
+    )
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per backend and mode (default 3)")
-    p.add_argument("--server", choices=["none", "moto"], default="none", help="also measure S3 on a moto server (default none)")
-    p.add_argument("--s3-size-mb", type=float, default=256, help="S3 model size in MiB, bench_s3's model (default 256)")
-    p.add_argument("--only", default=None, help="comma list of modes, by letter or name: " + ", ".join(f"{k}={v}" for k, v in MODES.items()))
-    p.add_argument("--train-n", type=int, default=512, help="matmul size of the training stand-in (default 512)")
-    p.add_argument("--baseline-s", type=float, default=1.0, help="seconds the training loop runs alone before the save (default 1.0)")
-    p.add_argument("--threads", type=int, default=None, help="HFStorageWriter thread_count (default: the library's)")
-    p.add_argument("--max-shard-size", default="5GB", help="HFStorageWriter max_shard_size (default 5GB)")
-    p.add_argument("--sample-ms", type=float, default=5.0, help="RSS sampling period in ms (default 5)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny save before each measurement")
-    p.add_argument("--md-out", default=None, help="also write the markdown report and the JSON lines to this file")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="measurements per backend and mode (default 3)"
+    )
+    p.add_argument(
+        "--server",
+        choices=["none", "moto"],
+        default="none",
+        help="also measure S3 on a moto server (default none)",
+    )
+    p.add_argument(
+        "--s3-size-mb",
+        type=float,
+        default=256,
+        help="S3 model size in MiB, bench_s3's model (default 256)",
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma list of modes, by letter or name: "
+        + ", ".join(f"{k}={v}" for k, v in MODES.items()),
+    )
+    p.add_argument(
+        "--train-n",
+        type=int,
+        default=512,
+        help="matmul size of the training stand-in (default 512)",
+    )
+    p.add_argument(
+        "--baseline-s",
+        type=float,
+        default=1.0,
+        help="seconds the training loop runs alone before the save (default 1.0)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="HFStorageWriter thread_count (default: the library's)",
+    )
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="HFStorageWriter max_shard_size (default 5GB)"
+    )
+    p.add_argument(
+        "--sample-ms", type=float, default=5.0, help="RSS sampling period in ms (default 5)"
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed tiny save before each measurement",
+    )
+    p.add_argument(
+        "--md-out",
+        default=None,
+        help="also write the markdown report and the JSON lines to this file",
+    )
     return p.parse_args(argv)
 
 
@@ -367,12 +515,19 @@ def main(argv: list[str] | None = None) -> int:
     backends = [Backend("local", str(work / "ckpt"), None, model_spec(d), d)]
     cpu = os.cpu_count() or 1
     cfg = {
-        "threads": args.threads, "max_shard_size": args.max_shard_size, "warmup": not args.no_warmup,
-        "sample_ms": args.sample_ms, "torch_threads": max(1, cpu // args.ranks), "train_n": args.train_n,
+        "threads": args.threads,
+        "max_shard_size": args.max_shard_size,
+        "warmup": not args.no_warmup,
+        "sample_ms": args.sample_ms,
+        "torch_threads": max(1, cpu // args.ranks),
+        "train_n": args.train_n,
         "baseline_s": args.baseline_s,
     }
     env: dict[str, Any] = {
-        **env_record(("safetensors", "hf_dcp_storage", "s3fs"), work=work), "args": vars(args), "cfg": cfg, "argv": sys.argv[1:],
+        **env_record(("safetensors", "hf_dcp_storage", "s3fs"), work=work),
+        "args": vars(args),
+        "cfg": cfg,
+        "argv": sys.argv[1:],
     }
     server: Server | None = None
     runner = Runner(work, jsonl=None)  # the JSON lines go to stdout and into --md-out
@@ -382,7 +537,10 @@ def main(argv: list[str] | None = None) -> int:
             s3_backend, server = _start_s3(work, args.s3_size_mb)
             env["s3"] = {"moto": server.facts.get("moto"), "endpoint": server.endpoint}
             backends.append(s3_backend)
-        env["models"] = {b.kind: {**b.dims.__dict__, "tensors": len(b.spec), "size_bytes": b.size} for b in backends}
+        env["models"] = {
+            b.kind: {**b.dims.__dict__, "tensors": len(b.spec), "size_bytes": b.size}
+            for b in backends
+        }
         runner.emit(env)
         _run(runner, backends, modes, args, cfg)
     finally:
@@ -400,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if verified and all(r.get("ok", True) for r in records) else 1
 
 
-def _run(runner: Runner, backends: list[Backend], modes: list[str], args: argparse.Namespace, cfg: dict) -> None:
+def _run(
+    runner: Runner, backends: list[Backend], modes: list[str], args: argparse.Namespace, cfg: dict
+) -> None:
     """Every backend, every repeat, every mode (forward on even repeats, backward on odd ones)."""
     for backend in backends:
         kept: dict[str, str] = {}
@@ -423,28 +583,37 @@ def _run(runner: Runner, backends: list[Backend], modes: list[str], args: argpar
 def _write_md(path: str, env: dict, table: str, records: list[dict], elapsed: float) -> None:
     a = env["args"]
     models = [
-        f"- model on {kind}: llama-like, vocab {m['vocab']}, hidden {m['hidden']}, intermediate {m['inter']}, kv {m['kv']}, "
-        f"{m['layers']} layers -> {m['tensors']} tensors, {m['size_bytes']} bytes; every tensor a Shard(0) DTensor"
+        f"- model on {kind}: llama-like, vocab {m['vocab']}, hidden {m['hidden']}, intermediate "
+        f"{m['inter']}, kv {m['kv']}, {m['layers']} layers -> {m['tensors']} tensors, "
+        f"{m['size_bytes']} bytes; every tensor a Shard(0) DTensor"
         for kind, m in env["models"].items()
     ]
     head = [
         f"# bench_async: dcp.async_save vs dcp.save, {a['ranks']} ranks, {env['cpus']} CPUs",
         "",
         (
-            f"- date {env['date']}; python {env['python']}, torch {env['torch']}, safetensors {env['safetensors']}, "
-            f"s3fs {env['s3fs']}, hf_dcp_storage {env['hf_dcp_storage']} (git {env['git']}); {env['mem_gib']} GiB RAM"
+            f"- date {env['date']}; python {env['python']}, torch {env['torch']}, safetensors "
+            f"{env['safetensors']}, s3fs {env['s3fs']}, hf_dcp_storage {env['hf_dcp_storage']} "
+            f"(git {env['git']}); {env['mem_gib']} GiB RAM"
         ),
         *models,
-        f"- local: {env['work_dir']} ({env['fs']})" + (f"; S3: moto {env['s3']['moto']} in its own process on loopback" if "s3" in env else ""),
+        f"- local: {env['work_dir']} ({env['fs']})"
+        + (f"; S3: moto {env['s3']['moto']} in its own process on loopback" if "s3" in env else ""),
         (
-            f"- repeats {a['repeats']}, thread_count {env['cfg']['threads'] or 'library default'}, torch threads per rank "
-            f"{env['cfg']['torch_threads']}, training stand-in: float32 matmul {a['train_n']}x{a['train_n']}, "
-            f"alone for {a['baseline_s']} s before the save"
+            f"- repeats {a['repeats']}, thread_count "
+            f"{env['cfg']['threads'] or 'library default'}, torch threads per rank "
+            f"{env['cfg']['torch_threads']}, training stand-in: float32 matmul "
+            f"{a['train_n']}x{a['train_n']}, alone for {a['baseline_s']} s before the save"
         ),
-        f"- command: `python benchmarks/bench_async.py {' '.join(env['argv'])}`; full run {elapsed / 60:.1f} min",
+        (
+            f"- command: `python -m benchmarks.bench_async {' '.join(env['argv'])}`; full run "
+            f"{elapsed / 60:.1f} min"
+        ),
         "",
     ]
-    write_report(path, "\n".join(head) + "\n" + table, "".join(json.dumps(r) + "\n" for r in records))
+    write_report(
+        path, "\n".join(head) + "\n" + table, "".join(json.dumps(r) + "\n" for r in records)
+    )
 
 
 if __name__ == "__main__":

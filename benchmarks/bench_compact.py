@@ -1,33 +1,33 @@
 """Save planning at scale with compact plans (direct writes: local disk, NFS, Lustre), simulated:
 Llama 8B-405B over up to 8,192 ranks, in one process from shapes alone.
 
-    python benchmarks/bench_compact.py --cases 8B:1024,70B:1024,405B:1024,405B:8192 --tp 1,8 \\
-        --md-out benchmarks/results/2026-11_compact-cpu-2core.md
+    python -m benchmarks.bench_compact --cases 8B:1024,70B:1024,405B:1024,405B:8192 --tp 1,8 \\
+        --md-out benchmarks/results/compact-cpu-2core.md
 
 Each case runs in a fresh process, phase by phase, as ``dcp.save`` runs them with
 ``HFStorageWriter`` on a local path (``plan/compact.py``):
 
 1. ranks (one after another; not coordinator time): the ``SavePlan`` ``DefaultSavePlanner`` makes
-   from the rank's DTensor shards (``_synthetic_plans``, equal to DCP's own: ``tests/test_scale.py``),
-   the writer's ``prepare_local_plan`` (which keeps the items and sends ``LocalChunks``), pickled
-   as ``gather_object`` sends it.
+   from the rank's DTensor shards (``_synthetic_plans``, equal to DCP's own:
+   ``tests/test_scale.py``), the writer's ``prepare_local_plan`` (which keeps the items and sends
+   ``LocalChunks``), pickled as ``gather_object`` sends it.
 2. coordinator: unpickle the N plans (the gather); DCP's ``DefaultSavePlanner.create_global_plan``
    on them (dedup, metadata, validation: nothing left to do); then ours, phase by phase as
-   ``HFStorageWriter._plan_compact`` runs them: ``gather`` (arrays), ``check_and_dedup`` (tiling
+   ``plan/compact.plan_save`` runs them: ``gather`` (arrays), ``check_and_dedup`` (tiling
    check, one writer per replicated chunk), ``plan_layout``, ``table_plans``; each rank's final
    plan pickled as ``scatter_object_list`` does.
 3. finish: each rank's one packed ``WriteResult`` pickled and unpickled (DCP's gather of the
    results), the CRC32s joined per key and DCP's metadata filled in, the index encoded.
 4. load planning of the same checkpoint on N/2 ranks (``bench_scale._simulate_load``):
-   ``read_metadata`` on the index (which records the headers; sparse files), a few ranks' local load plans, and
-   what each sends through DCP's global step (``HFStorageReader.prepare_local_plan`` keeps the
-   read items on the rank);
+   ``read_metadata`` on the index (which records the headers; sparse files), a few ranks' local load
+   plans, and what each sends through DCP's global step (``HFStorageReader.prepare_local_plan``
+   keeps the read items on the rank);
 5. one rank's write-side unpacking of its plan (``plan/rankplan.py``'s ``unpack_table``).
 
 Reported: seconds per phase, the coordinator's peak RSS over the imports (its process holds
 nothing else: the simulated ranks' pickles are the gather's buffer), what each rank sends and
 receives, and bytes written per rank (max / mean). Compare with the object plans DCP gathers
-otherwise: ``bench_scale.py`` and ``results/2026-11_scale-cpu-2core.md``.
+otherwise: ``bench_scale.py`` and ``results/scale-cpu-2core.md``.
 """
 
 from __future__ import annotations
@@ -49,28 +49,60 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import _case_name, _fake_upload_id, _fmt_bytes, _parse_cases, _Reporter, _reset_peak, _simulate_load, _status_kib, report, task_ranks  # noqa: E402
-
-from hf_dcp_storage import HFStorageWriter  # noqa: E402
-from hf_dcp_storage.plan.compact import check_and_dedup, gather, table_plans
+from benchmarks._synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan
+from benchmarks.bench_scale import (
+    _case_name,
+    _fake_upload_id,
+    _fmt_bytes,
+    _parse_cases,
+    _Reporter,
+    _reset_peak,
+    _simulate_load,
+    _status_kib,
+    report,
+    task_ranks,
+)
+from hf_dcp_storage import HFStorageWriter
 from hf_dcp_storage.io.fsio import STREAM_PART_BYTES
+from hf_dcp_storage.plan.compact import check_and_dedup, gather, table_plans
+from hf_dcp_storage.plan.layout import index_bytes as _index_bytes
 from hf_dcp_storage.plan.layout import plan_layout
+from hf_dcp_storage.plan.layout import whole_tensor_metadata as _whole_tensors
+from hf_dcp_storage.plan.parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart
 from hf_dcp_storage.plan.placed import place_chunks
-from hf_dcp_storage.plan.s3parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart
-from hf_dcp_storage.plan.layout import index_bytes as _index_bytes  # noqa: E402
-from hf_dcp_storage.plan.layout import whole_tensor_metadata as _whole_tensors  # noqa: E402
-from hf_dcp_storage.plan.rankplan import PACKED as _PACKED  # noqa: E402
-from hf_dcp_storage.plan.rankplan import RankPlan as _RankPlan  # noqa: E402
-from hf_dcp_storage.plan.rankplan import WrittenRows as _WrittenRows  # noqa: E402
-from hf_dcp_storage.plan.rankplan import combine_checksums, unpack_table  # noqa: E402
-from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans  # noqa: E402
-from hf_dcp_storage.stores import store_for_mode  # noqa: E402
+from hf_dcp_storage.plan.rankplan import PACKED as _PACKED
+from hf_dcp_storage.plan.rankplan import RankPlan as _RankPlan
+from hf_dcp_storage.plan.rankplan import WrittenRows as _WrittenRows
+from hf_dcp_storage.plan.rankplan import combine_checksums, unpack_table
+from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans
+from hf_dcp_storage.stores import store_for_mode
 
-PHASES = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter", "results_gather", "checksums", "metadata", "index")
-PLANNING = ("gather", "dcp_global_plan", "arrays", "check_dedup", "layout", "table_plans", "place", "tasks", "scatter")
+PHASES = (
+    "gather",
+    "dcp_global_plan",
+    "arrays",
+    "check_dedup",
+    "layout",
+    "table_plans",
+    "place",
+    "tasks",
+    "scatter",
+    "results_gather",
+    "checksums",
+    "metadata",
+    "index",
+)
+PLANNING = (
+    "gather",
+    "dcp_global_plan",
+    "arrays",
+    "check_dedup",
+    "layout",
+    "table_plans",
+    "place",
+    "tasks",
+    "scatter",
+)
 
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +121,12 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         local_s += time.perf_counter() - t
         blobs.append(pickle.dumps(sent))
     keep_items, keep_local = writer._local  # the last rank's, for step 4
-    out.update(ranks_s=time.perf_counter() - t0, prepare_local_plan_ms=local_s / mesh.size * 1e3, sent_bytes_max=max(map(len, blobs)), table_bytes=len(pickle.loads(blobs[-1]).storage_data.table))
+    out.update(
+        ranks_s=time.perf_counter() - t0,
+        prepare_local_plan_ms=local_s / mesh.size * 1e3,
+        sent_bytes_max=max(map(len, blobs)),
+        table_bytes=len(pickle.loads(blobs[-1]).storage_data.table),
+    )
     gc.collect()
     base = _status_kib("VmRSS")
     _reset_peak()
@@ -102,8 +139,12 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         return value
 
     plans: list[SavePlan] = timed("gather", lambda: [pickle.loads(b) for b in blobs])
-    out["gather_buffer_bytes"] = max(map(len, blobs)) * len(blobs)  # gather_object pads to the largest
-    global_plans, _metadata = timed("dcp_global_plan", lambda: DefaultSavePlanner().create_global_plan(plans))
+    out["gather_buffer_bytes"] = max(map(len, blobs)) * len(
+        blobs
+    )  # gather_object pads to the largest
+    global_plans, _metadata = timed(
+        "dcp_global_plan", lambda: DefaultSavePlanner().create_global_plan(plans)
+    )
     chunks = [p.storage_data for p in global_plans]
     g = timed("arrays", lambda: gather(chunks))
     dedup = timed("check_dedup", lambda: check_and_dedup(g))
@@ -112,24 +153,47 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     # Stores without positioned writes: the chunks placed (staged offsets), then S3's parts and
     # gathering tasks or each file's merge task, spread over the ranks.
     placed = timed("place", lambda: place_chunks(g, dedup, layout) if mode != "direct" else None)
-    # As HFStorageWriter._plan_compact does: the per-chunk arrays go; the finish needs these.
-    rank_start, table_keys, table_of_rank, dropped = g.rank_start, g.table_keys, g.table_of_rank, len(dedup.dropped)
+    # As plan/compact.plan_save does: the per-chunk arrays go; the finish needs these.
+    rank_start, table_keys, table_of_rank, dropped = (
+        g.rank_start,
+        g.table_keys,
+        g.table_of_rank,
+        len(dedup.dropped),
+    )
     written = placed.bytes_per_rank(mesh.size) if placed is not None else dedup.bytes_per_rank
     g = dedup = None  # type: ignore[assignment]
-    store = store_for_mode(mode, writer.fs, writer.root, retry=writer.retry, threads=writer.thread_count)
+    store = store_for_mode(
+        mode, writer.fs, writer.root, retry=writer.retry, threads=writer.thread_count
+    )
     tasks = timed("tasks", lambda: _plan_tasks(store, layout, placed, mesh.size, mode))
     s3_parts = store.parts if mode in ("s3", "gcs", "azure") else None
-    uploads = {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1} if s3_parts is not None else {}
+    uploads = (
+        {f: _fake_upload_id(f) for f, parts in enumerate(s3_parts) if len(parts) > 1}
+        if s3_parts is not None
+        else {}
+    )
     if mode == "s3":
         store.uploads = uploads
 
     def scatter() -> list[bytes]:
-        plans = writer_rank_plans([SavePlan([]) for _ in range(mesh.size)], layout, "0" * 32, mode == "direct", [{}] * mesh.size, tables, tasks, store.rank_data(mesh.size))
+        plans = writer_rank_plans(
+            [SavePlan([]) for _ in range(mesh.size)],
+            layout,
+            "0" * 32,
+            mode == "direct",
+            [{}] * mesh.size,
+            tables,
+            tasks,
+            store.rank_data(mesh.size),
+        )
         return [pickle.dumps(p) for p in plans]
 
     final = timed("scatter", scatter)
     final_sizes = [len(b) for b in final]
-    storage_sizes = [len(pickle.dumps(pickle.loads(final[r]).storage_data)) for r in range(0, mesh.size, max(1, mesh.size // 64))]
+    storage_sizes = [
+        len(pickle.dumps(pickle.loads(final[r]).storage_data))
+        for r in range(0, mesh.size, max(1, mesh.size // 64))
+    ]
     del final
     if mode != "direct":
         out["finishing"] = finishing_work(layout, placed, s3_parts, tasks, mesh.size)
@@ -140,14 +204,27 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     for r in range(mesh.size):
         n = int(rank_start[r + 1] - rank_start[r]) - len(tables[r].skip)
         rows = np.arange(n, dtype=np.int64) % len(table_keys[int(table_of_rank[r])])
-        packed.append(pickle.dumps([WriteResult(_PACKED, 0, _WrittenRows(rows, rng.integers(0, 2**32, n, dtype=np.uint32)))]))
+        packed.append(
+            pickle.dumps(
+                [
+                    WriteResult(
+                        _PACKED, 0, _WrittenRows(rows, rng.integers(0, 2**32, n, dtype=np.uint32))
+                    )
+                ]
+            )
+        )
     results = timed("results_gather", lambda: [pickle.loads(b) for b in packed])
-    checksums = timed("checksums", lambda: combine_checksums(layout, results, (table_keys, table_of_rank)))
+    checksums = timed(
+        "checksums", lambda: combine_checksums(layout, results, (table_keys, table_of_rank))
+    )
     timed("metadata", lambda: _whole_tensors(layout))
     index = timed("index", lambda: _index_bytes(layout, checksums))
     out["coordinator_peak_mib"] = (_status_kib("VmHWM") - base) / 1024
-    # The gather buffer: the simulation held the pickles before the baseline, a real coordinator receives them.
-    out["coordinator_peak_with_buffer_mib"] = out["coordinator_peak_mib"] + out["gather_buffer_bytes"] / 2**20
+    # The gather buffer: the simulation held the pickles before the baseline, a real coordinator
+    # receives them.
+    out["coordinator_peak_with_buffer_mib"] = (
+        out["coordinator_peak_mib"] + out["gather_buffer_bytes"] / 2**20
+    )
     out.update(
         phases=t,
         planning_s=sum(t[p] for p in PLANNING),
@@ -160,36 +237,64 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         written_max_over_mean=float(written.max() / written.mean()),
         dropped=dropped,
     )
-    # Load planning of the same checkpoint on N/2 ranks: read_metadata, local plans, what DCP gathers.
+    # Load planning of the same checkpoint on N/2 ranks: read_metadata, local plans, what DCP
+    # gathers.
     rep = _Reporter()
     load = _simulate_load(shapes, layout, Mesh.of(max(spec["tp"], mesh.size // 2), spec["tp"]), rep)
-    out.update({k: load[k] for k in ("load_world", "load_plan_s", "load_plan_bytes_max", "load_plan_sent_bytes_max", "load_read_items", "metadata_reads_per_rank")})
+    out.update(
+        {
+            k: load[k]
+            for k in (
+                "load_world",
+                "load_plan_s",
+                "load_plan_bytes_max",
+                "load_plan_sent_bytes_max",
+                "load_read_items",
+                "metadata_reads_per_rank",
+            )
+        }
+    )
     out["read_metadata_s"] = rep.timings["read_metadata"]
     # One rank unpacks its plan on the write side.
     s = time.perf_counter()
-    unpack_table(keep_items, keep_local, _RankPlan(mesh.size - 1, "0" * 32, True, layout.names, {}, None, tables[-1]))
+    unpack_table(
+        keep_items,
+        keep_local,
+        _RankPlan(mesh.size - 1, "0" * 32, True, layout.names, {}, None, tables[-1]),
+    )
     out["unpack_ms"] = (time.perf_counter() - s) * 1e3
     assert zlib.decompress(keep_local.table)  # the table the last rank sent decodes
     return out
 
 
 def _plan_tasks(store: Any, layout: Any, placed: Any, world: int, mode: str) -> Any:
-    """The store's plan; on GCS also every file's compose tree (what its coordinator plans at the commit)."""
+    """The store's plan; on GCS also every file's compose tree (what its coordinator plans at the
+    commit)."""
     tasks = store.plan(layout, placed, world)
     if mode == "gcs":
         from hf_dcp_storage.plan.gcsplan import compose_tree, part_name
 
         for plan, parts in zip(layout.files, store.parts, strict=True):
-            compose_tree(plan.name, plan.name, [part_name("s", "0" * 32, plan.name, p.number) for p in parts], "s", "0" * 32)
+            compose_tree(
+                plan.name,
+                plan.name,
+                [part_name("s", "0" * 32, plan.name, p.number) for p in parts],
+                "s",
+                "0" * 32,
+            )
     return tasks
 
 
-def finishing_work(layout: Any, placed: Any, s3_parts: Any, tasks: Any, world: int) -> dict[str, Any]:
+def finishing_work(
+    layout: Any, placed: Any, s3_parts: Any, tasks: Any, world: int
+) -> dict[str, Any]:
     """Who assembles what once every rank has staged: bytes per rank (its own, plus twice what
     it gathers or merges: read, then written), and on S3 the parts and requests per rank (own
     parts, its staged objects, and per gathering task one GET per rank it reads plus the upload)."""
     written = placed.bytes_per_rank(world)
-    assembled = np.array([sum(t.nbytes - len(getattr(t, "head", b"")) for t in ts) for ts in tasks], dtype=np.int64)
+    assembled = np.array(
+        [sum(t.nbytes - len(getattr(t, "head", b"")) for t in ts) for ts in tasks], dtype=np.int64
+    )
     moved = written + 2 * assembled
     out: dict[str, Any] = {
         "tasks": sum(len(ts) for ts in tasks),
@@ -214,7 +319,9 @@ def finishing_work(layout: Any, placed: Any, s3_parts: Any, tasks: Any, world: i
     np.add.at(in_file, (placed.rank, placed.file), placed.nbytes)
     staged = in_file - own
     part = np.maximum(max(STREAM_PART_BYTES, MIN_PART_BYTES), -(-staged // MAX_PARTS))
-    requests += np.where(staged == 0, 0, np.where(staged < part, 1, 2 + -(-staged // part))).sum(axis=1)
+    requests += np.where(staged == 0, 0, np.where(staged < part, 1, 2 + -(-staged // part))).sum(
+        axis=1
+    )
     for rank, ts in enumerate(tasks):
         requests[rank] += sum(1 + len(task_ranks(t)) for t in ts)
     out.update(
@@ -228,7 +335,11 @@ def finishing_work(layout: Any, placed: Any, s3_parts: Any, tasks: Any, world: i
 
 def finishing_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| case | mode | parts: ranks' own / gathered | tasks | assembled (share of bytes) | busiest assembler | coordinator assembles | ranks assembling | bytes moved per rank max/mean | requests per rank max/mean | tasks per rank (pickled, max) |",
+        (
+            "| case | mode | parts: ranks' own / gathered | tasks | assembled (share of bytes) | "
+            "busiest assembler | coordinator assembles | ranks assembling | bytes moved per rank "
+            "max/mean | requests per rank max/mean | tasks per rank (pickled, max) |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
@@ -236,17 +347,33 @@ def finishing_table(runs: list[dict[str, Any]]) -> list[str]:
         if r is None or "finishing" not in r:
             continue
         w = r["finishing"]
-        parts = f"{w['rank_parts']:,} / {w['gather_parts']:,}" if "rank_parts" in w else "(one merge per file)"
-        requests = f"{w['requests_max']:,} / {w['requests_mean']:,.0f}" if "requests_max" in w else ""
+        parts = (
+            f"{w['rank_parts']:,} / {w['gather_parts']:,}"
+            if "rank_parts" in w
+            else "(one merge per file)"
+        )
+        requests = (
+            f"{w['requests_max']:,} / {w['requests_mean']:,.0f}" if "requests_max" in w else ""
+        )
         lines.append(
-            f"| {_case_name(run['spec'])} | {run['spec'].get('mode', 'direct')} | {parts} | {w['tasks']:,} | {_fmt_bytes(w['assembled_bytes'])} ({w['assembled_share']:.0%}) | "
-            f"{_fmt_bytes(w['assembled_max'])} | {_fmt_bytes(w['assembled_by_coordinator'])} | {w['assemblers']:,} | {w['moved_max_over_mean']:.3f} | {requests} | {_fmt_bytes(w['task_bytes_max'])} |"
+            f"| {_case_name(run['spec'])} | {run['spec'].get('mode', 'direct')} | {parts} | "
+            f"{w['tasks']:,} | {_fmt_bytes(w['assembled_bytes'])} ({w['assembled_share']:.0%}) | "
+            f"{_fmt_bytes(w['assembled_max'])} | {_fmt_bytes(w['assembled_by_coordinator'])} | "
+            f"{w['assemblers']:,} | {w['moved_max_over_mean']:.3f} | {requests} | "
+            f"{_fmt_bytes(w['task_bytes_max'])} |"
         )
     return lines
 
 
 def table(runs: list[dict[str, Any]]) -> list[str]:
-    head = "| case | mode | write items | " + " | ".join(PHASES) + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | storage_data per rank | result per rank | max/mean bytes | load (N/2 ranks): read_metadata, plan per rank | objects read per loading rank (index size) | load plan: built / sent to DCP per rank |"
+    head = (
+        "| case | mode | write items | "
+        + " | ".join(PHASES)
+        + " | **planning** | finish | coordinator peak RSS (+ gather buffer) | sent per rank | "
+        "storage_data per rank | result per rank | max/mean bytes | load (N/2 ranks): "
+        "read_metadata, plan per rank | objects read per loading rank (index size) | load plan: "
+        "built / sent to DCP per rank |"
+    )
     lines = [head, "|" + "---|" * 3 + "---:|" * (len(PHASES) + 10)]
     for run in runs:
         spec, r = run["spec"], run.get("result")
@@ -255,43 +382,79 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
             continue
         cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in PHASES]
         lines.append(
-            f"| {_case_name(spec)} | {spec.get('mode', 'direct')} | {r['items']:,} | " + " | ".join(cells) + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
-            f"{_fmt_bytes(r['coordinator_peak_mib'] * 2**20)} (+{_fmt_bytes(r['gather_buffer_bytes'])}) | {_fmt_bytes(r['sent_bytes_max'])} | "
-            f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | {r['written_max_over_mean']:.3f} | "
-            f"{r['read_metadata_s'] * 1e3:.0f} ms, {r['load_plan_s'] * 1e3:.0f} ms | {r.get('metadata_reads_per_rank', 1 + r['files'])} ({_fmt_bytes(r['index_bytes'])}) | "
-            f"{_fmt_bytes(r['load_plan_bytes_max'])} / {_fmt_bytes(r['load_plan_sent_bytes_max'])} |"
+            f"| {_case_name(spec)} | {spec.get('mode', 'direct')} | {r['items']:,} | "
+            + " | ".join(cells)
+            + f" | **{r['planning_s']:.2f} s** | {r['finish_s']:.2f} s | "
+            f"{_fmt_bytes(r['coordinator_peak_mib'] * 2**20)} "
+            f"(+{_fmt_bytes(r['gather_buffer_bytes'])}) | {_fmt_bytes(r['sent_bytes_max'])} | "
+            f"{_fmt_bytes(r['storage_data_bytes_max'])} | {_fmt_bytes(r['result_bytes_max'])} | "
+            f"{r['written_max_over_mean']:.3f} | {r['read_metadata_s'] * 1e3:.0f} ms, "
+            f"{r['load_plan_s'] * 1e3:.0f} ms | "
+            f"{r.get('metadata_reads_per_rank', 1 + r['files'])} ({_fmt_bytes(r['index_bytes'])}) "
+            f"| {_fmt_bytes(r['load_plan_bytes_max'])} / "
+            f"{_fmt_bytes(r['load_plan_sent_bytes_max'])} |"
         )
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="8B:1024,70B:1024,405B:1024,405B:8192", help="MODEL:RANKS,...")
+    ap.add_argument(
+        "--cases", default="8B:1024,70B:1024,405B:1024,405B:8192", help="MODEL:RANKS,..."
+    )
     ap.add_argument("--tp", default="1,8")
     ap.add_argument("--max-shard-size", default="5GB")
-    ap.add_argument("--mode", default="direct", help="direct (local disk), staged (stores without positioned writes), s3, gcs, azure; comma-separated")
+    ap.add_argument(
+        "--mode",
+        default="direct",
+        help="direct (local disk), staged (stores without positioned writes), s3, gcs, azure; "
+        "comma-separated",
+    )
     ap.add_argument("--md-out")
     ap.add_argument("--json-out")
-    ap.add_argument("--from-json", nargs="+", help="only print the tables of earlier --json-out files")
+    ap.add_argument(
+        "--from-json", nargs="+", help="only print the tables of earlier --json-out files"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(run_case(json.loads(args.child))))
         return
     if args.from_json:
-        runs = [json.loads(line) for path in args.from_json for line in Path(path).read_text().splitlines() if line]
+        runs = [
+            json.loads(line)
+            for path in args.from_json
+            for line in Path(path).read_text().splitlines()
+            if line
+        ]
         report([*table(runs), "", *finishing_table(runs)], runs, None, args.md_out)
         return
     runs = []
     for model, world in _parse_cases(args.cases):
-        for tp, mode in ((tp, mode) for tp in map(int, args.tp.split(",")) for mode in args.mode.split(",")):
-            spec = {"model": model, "world": world, "tp": tp, "max_shard_size": args.max_shard_size, "mode": mode}
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+        for tp, mode in (
+            (tp, mode) for tp in map(int, args.tp.split(",")) for mode in args.mode.split(",")
+        ):
+            spec = {
+                "model": model,
+                "world": world,
+                "tp": tp,
+                "max_shard_size": args.max_shard_size,
+                "mode": mode,
+            }
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.bench_compact", "--child", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             run: dict[str, Any] = {"spec": spec}
             if proc.returncode == 0:
                 run["result"] = json.loads(proc.stdout.strip().splitlines()[-1])
             else:
-                run["error"] = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+                run["error"] = (
+                    f"failed (exit {proc.returncode}): "
+                    f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+                )
             print(json.dumps(run), flush=True)
             runs.append(run)
     report([*table(runs), "", *finishing_table(runs)], runs, args.json_out, args.md_out)

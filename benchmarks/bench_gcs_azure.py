@@ -1,8 +1,8 @@
 """GCS and Azure benchmark: hf_dcp_storage against PyTorch's FsspecWriter/FsspecReader and raw puts,
-on fake-gcs-server and Azurite (loopback, started here by ``tests/_objectservers.py``).
+on fake-gcs-server and Azurite (loopback, started here by ``tests/support/objectservers.py``).
 
-    python benchmarks/bench_gcs_azure.py --stores gcs,azure --size-mb 128 --repeats 5 \\
-        --md-out benchmarks/results/2026-12_gcs-azure-cpu-2core.md
+    python -m benchmarks.bench_gcs_azure --stores gcs,azure --size-mb 128 --repeats 5 \\
+        --md-out benchmarks/results/gcs_azure-cpu-2core.md
 
 One job of ``--ranks`` gloo CPU ranks (spawned) per store runs every repeat; within a repeat the
 contenders run one after another (interleaved repeat by repeat, so drift of the shared machine
@@ -13,8 +13,10 @@ counting:
                     upload their own parts; small runs staged and gathered; the server composes
                     the files (GCS) or commits their blocks (Azure)); ``merge_stats`` recorded
         pt_fsspec   torch ``FsspecWriter`` (``.distcp``, one file per rank: not consolidated)
-        raw         every rank ``pipe_file``s each local shard's bytes, one object per tensor (the floor)
-  load  ours        ``HFStorageReader`` of ours' checkpoint, resharded (saved ``Shard(0)``, loaded ``Shard(1)``)
+        raw         every rank ``pipe_file``s each local shard's bytes, one object per tensor (the
+        floor)
+  load  ours        ``HFStorageReader`` of ours' checkpoint, resharded (saved ``Shard(0)``, loaded
+  ``Shard(1)``)
         pt_fsspec   torch ``FsspecReader`` of pt_fsspec's checkpoint, resharded alike
 
 State dict: llama-like bf16 tensors (embedding, attention and MLP matrices, norms) of about
@@ -38,8 +40,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 MiB = 2**20
@@ -48,15 +48,24 @@ LOADS = ("ours", "pt_fsspec")
 
 
 def shapes(size_mb: float) -> list[tuple[str, tuple[int, ...]]]:
-    """Llama-like layers (hidden 2048, intermediate 5504, vocab 4096) up to about ``size_mb`` MiB bf16."""
+    """Llama-like layers (hidden 2048, intermediate 5504, vocab 4096) up to about ``size_mb`` MiB
+    bf16."""
     h, inter, vocab = 2048, 5504, 4096
-    out = [("model.embed_tokens.weight", (vocab, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    out = [
+        ("model.embed_tokens.weight", (vocab, h)),
+        ("model.norm.weight", (h,)),
+        ("lm_head.weight", (vocab, h)),
+    ]
     layer = 0
     while sum(2 * _numel(s) for _, s in out) < size_mb * MiB * 0.95:
         p = f"model.layers.{layer}."
         out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
         out += [(p + f"self_attn.{n}_proj.weight", (h, h)) for n in "qkvo"]
-        out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)), (p + "mlp.down_proj.weight", (h, inter))]
+        out += [
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+        ]
         layer += 1
     return out
 
@@ -75,7 +84,9 @@ def full_tensor(key: str, shape: tuple[int, ...]) -> Any:
     return torch.randn(shape, generator=g).to(torch.bfloat16)
 
 
-def _rank(rank: int, world: int, url: str, options: dict, size_mb: float, repeats: int, out: str) -> None:
+def _rank(
+    rank: int, world: int, url: str, options: dict, size_mb: float, repeats: int, out: str
+) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -89,7 +100,7 @@ def _rank(rank: int, world: int, url: str, options: dict, size_mb: float, repeat
     mesh = init_device_mesh("cpu", (world,))
     full = {k: full_tensor(k, s) for k, s in shapes(size_mb)}
     sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
-    fs, root = fsio.resolve(url, options)
+    fs, _root = fsio.resolve(url, options)
     rows: list[dict[str, Any]] = []
 
     def timed(fn: Any) -> float:
@@ -101,7 +112,12 @@ def _rank(rank: int, world: int, url: str, options: dict, size_mb: float, repeat
         return float(took)
 
     def dest() -> dict[str, Any]:
-        return {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1 if v.dim() > 1 else 0)], src_data_rank=None) for k, v in full.items()}
+        return {
+            k: distribute_tensor(
+                torch.zeros_like(v), mesh, [Shard(1 if v.dim() > 1 else 0)], src_data_rank=None
+            )
+            for k, v in full.items()
+        }
 
     def check(loaded: dict[str, Any]) -> None:
         for k, v in loaded.items():
@@ -109,7 +125,10 @@ def _rank(rank: int, world: int, url: str, options: dict, size_mb: float, repeat
 
     def raw(path: str) -> None:
         for k, v in sd.items():
-            fs.pipe_file(f"{path}/{k}.rank{rank}", v.to_local().contiguous().view(torch.uint8).numpy().tobytes())
+            fs.pipe_file(
+                f"{path}/{k}.rank{rank}",
+                v.to_local().contiguous().view(torch.uint8).numpy().tobytes(),
+            )
 
     for rep in range(repeats):
         base = f"{url}/r{rep}-{uuid.uuid4().hex[:6]}" if rank == 0 else None
@@ -118,15 +137,24 @@ def _rank(rank: int, world: int, url: str, options: dict, size_mb: float, repeat
         base = holder[0]
         writer = HFStorageWriter(f"{base}/ours", storage_options=options)
         row = {"repeat": rep, "save": {}, "load": {}}
-        row["save"]["ours"] = timed(lambda: dcp.save(sd, storage_writer=writer))
+        row["save"]["ours"] = timed(lambda: dcp.save(sd, storage_writer=writer))  # noqa: B023 - called within the iteration
         row["merge_stats"] = writer.merge_stats.as_dict() if rank == 0 else None
-        row["save"]["pt_fsspec"] = timed(lambda: dcp.save(sd, storage_writer=FsspecWriter(f"{base}/pt", **options)))
-        row["save"]["raw"] = timed(lambda: raw(fsio.resolve(f"{base}/raw", options)[1]))
+        row["save"]["pt_fsspec"] = timed(
+            lambda: dcp.save(sd, storage_writer=FsspecWriter(f"{base}/pt", **options))  # noqa: B023 - called within the iteration
+        )
+        row["save"]["raw"] = timed(lambda: raw(fsio.resolve(f"{base}/raw", options)[1]))  # noqa: B023 - called within the iteration
         got = dest()
-        row["load"]["ours"] = timed(lambda: dcp.load(got, storage_reader=HFStorageReader(f"{base}/ours", storage_options=options)))
+        row["load"]["ours"] = timed(
+            lambda: dcp.load(
+                got,  # noqa: B023 - called within the iteration
+                storage_reader=HFStorageReader(f"{base}/ours", storage_options=options),  # noqa: B023 - called within the iteration
+            )
+        )
         check(got)
         got = dest()
-        row["load"]["pt_fsspec"] = timed(lambda: dcp.load(got, storage_reader=FsspecReader(f"{base}/pt", **options)))
+        row["load"]["pt_fsspec"] = timed(
+            lambda: dcp.load(got, storage_reader=FsspecReader(f"{base}/pt", **options))  # noqa: B023 - called within the iteration
+        )
         check(got)
         dist.barrier()
         if rank == 0:
@@ -135,8 +163,14 @@ def _rank(rank: int, world: int, url: str, options: dict, size_mb: float, repeat
 
                 _, ours_root = fsio.resolve(f"{base}/ours", options)
                 names = [n for n in fsio.list_names(fs, ours_root) if n.endswith(".safetensors")]
-                back = {k: t for n in names for k, t in load(fsio.read_all(fs, fsio.join(ours_root, n))).items()}
-                assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full), "ours' files do not read back"
+                back = {
+                    k: t
+                    for n in names
+                    for k, t in load(fsio.read_all(fs, fsio.join(ours_root, n))).items()
+                }
+                assert set(back) == set(full) and all(
+                    torch.equal(back[k], full[k]) for k in full
+                ), "ours' files do not read back"
             fsio.remove_tree(fs, fsio.resolve(base, options)[1])
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -146,13 +180,14 @@ def _rank(rank: int, world: int, url: str, options: dict, size_mb: float, repeat
 
 
 def run_store(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    import _objectservers
-    from _dist import run_ranks
-    from conftest import azure_options, gcs_options
-
     from hf_dcp_storage.io import fsio
+    from tests.support import objectservers
+    from tests.support.dist import run_ranks
+    from tests.support.storage_options import azure_options, gcs_options
 
-    endpoint, stop = _objectservers.start_fake_gcs() if kind == "gcs" else _objectservers.start_azurite()
+    endpoint, stop = (
+        objectservers.start_fake_gcs() if kind == "gcs" else objectservers.start_azurite()
+    )
     try:
         options = gcs_options(endpoint) if kind == "gcs" else azure_options(endpoint)
         place = f"bench-{uuid.uuid4().hex[:10]}"
@@ -174,14 +209,33 @@ def _median_spread(xs: list[float]) -> str:
 def markdown(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
     total = sum(2 * _numel(s) for _, s in shapes(args.size_mb))
     lines = [
-        f"# GCS and Azure, {time.strftime('%Y-%m-%d')}: {platform.machine()} {os.cpu_count()}-core CPU VM, loopback emulators",
+        (
+            f"# GCS and Azure, {time.strftime('%Y-%m-%d')}: {platform.machine()} "
+            f"{os.cpu_count()}-core CPU VM, loopback emulators"
+        ),
         "",
-        f"`benchmarks/bench_gcs_azure.py --size-mb {args.size_mb:g} --repeats {args.repeats} --ranks {args.ranks}`: a llama-like",
-        f"bf16 state dict of {total / MiB:.0f} MiB, `Shard(0)` over {args.ranks} gloo CPU ranks; each figure the median over",
-        f"{args.repeats} repeats (min-max in brackets), the slowest rank counting; contenders interleaved repeat by repeat.",
-        "The servers (fake-gcs-server, in memory; Azurite, on disk) share the 2 cores with the ranks.",
+        (
+            f"`python -m benchmarks.bench_gcs_azure --size-mb {args.size_mb:g} --repeats "
+            f"{args.repeats} --ranks {args.ranks}`: a llama-like"
+        ),
+        (
+            f"bf16 state dict of {total / MiB:.0f} MiB, `Shard(0)` over {args.ranks} gloo CPU "
+            "ranks; each figure the median over"
+        ),
+        (
+            f"{args.repeats} repeats (min-max in brackets), the slowest rank counting; contenders "
+            "interleaved repeat by repeat."
+        ),
+        (
+            "The servers (fake-gcs-server, in memory; Azurite, on disk) share the 2 cores with "
+            "the ranks."
+        ),
         "",
-        "| store | save: ours (consolidated HF) | PyTorch `FsspecWriter` (.distcp) | raw puts | ours / FsspecWriter | bytes through clients | load resharded: ours | `FsspecReader` | ours / FsspecReader |",
+        (
+            "| store | save: ours (consolidated HF) | PyTorch `FsspecWriter` (.distcp) | raw puts "
+            "| ours / FsspecWriter | bytes through clients | load resharded: ours | "
+            "`FsspecReader` | ours / FsspecReader |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, rows in results.items():
@@ -189,13 +243,16 @@ def markdown(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace)
         ld = {c: [r["load"][c] for r in rows] for c in LOADS}
         frac = [r["merge_stats"]["client_fraction"] for r in rows]
         lines.append(
-            f"| {kind} | {_median_spread(s['ours'])} | {_median_spread(s['pt_fsspec'])} | {_median_spread(s['raw'])} | "
-            f"{statistics.median(s['ours']) / statistics.median(s['pt_fsspec']):.2f}x | {100 * statistics.median(frac):.1f} % | "
-            f"{_median_spread(ld['ours'])} | {_median_spread(ld['pt_fsspec'])} | {statistics.median(ld['ours']) / statistics.median(ld['pt_fsspec']):.2f}x |"
+            f"| {kind} | {_median_spread(s['ours'])} | {_median_spread(s['pt_fsspec'])} | "
+            f"{_median_spread(s['raw'])} | "
+            f"{statistics.median(s['ours']) / statistics.median(s['pt_fsspec']):.2f}x | "
+            f"{100 * statistics.median(frac):.1f} % | {_median_spread(ld['ours'])} | "
+            f"{_median_spread(ld['pt_fsspec'])} | "
+            f"{statistics.median(ld['ours']) / statistics.median(ld['pt_fsspec']):.2f}x |"
         )
     lines += ["", "Raw rows (JSON, one per repeat):", "", "```"]
     lines += [json.dumps({"store": k, **r}) for k, rows in results.items() for r in rows]
-    return "\n".join(lines + ["```", ""])
+    return "\n".join([*lines, "```", ""])
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Time the training loop is blocked by ``CheckpointManager.save(..., async_save=True)``, with and
 without ``reuse_staging``, over consecutive saves of one state dict.
 
-    python benchmarks/bench_manager_async.py --size-mb 512 --saves 4 \\
+    python -m benchmarks.bench_manager_async --size-mb 512 --saves 4 \\
         --md-out benchmarks/results/2026-11_manager-staging-cpu-2core.md
 
 One process (no process group), local disk, a float32 state dict of ``--size-mb`` in 64 MiB
@@ -44,7 +44,9 @@ def _child(reuse: bool, size_mb: int, saves: int, root: str) -> list[dict]:
             blocked = time.perf_counter() - t0
             fut.result()
             total = time.perf_counter() - t0
-            out.append({"step": step, "blocked_s": blocked, "total_s": total, "rss_mib": _rss_mib()})
+            out.append(
+                {"step": step, "blocked_s": blocked, "total_s": total, "rss_mib": _rss_mib()}
+            )
             for t in sd.values():
                 t.add_(1)
         for step in range(1, saves + 1):
@@ -56,7 +58,9 @@ def _child(reuse: bool, size_mb: int, saves: int, root: str) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mb", type=int, default=512)
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--md-out")
@@ -69,22 +73,44 @@ def main() -> None:
     results = {}
     for variant in ("fresh", "reuse"):
         with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1]) as tmp:
-            cmd = [sys.executable, __file__, "--child", variant, "--root", str(Path(tmp) / "run"), "--size-mb", str(args.size_mb), "--saves", str(args.saves)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                "--root",
+                str(Path(tmp) / "run"),
+                "--size-mb",
+                str(args.size_mb),
+                "--saves",
+                str(args.saves),
+            ]
             r = subprocess.run(cmd, capture_output=True, text=True, check=True)
             results[variant] = json.loads(r.stdout.strip().splitlines()[-1])
     lines = [
-        f"# CheckpointManager async save: staging reuse ({args.size_mb} MiB float32, {args.saves} saves, 1 process, local disk)",
+        (
+            f"# CheckpointManager async save: staging reuse ({args.size_mb} MiB float32, "
+            f"{args.saves} saves, 1 process, local disk)"
+        ),
         "",
-        f"- command: `python benchmarks/bench_manager_async.py --size-mb {args.size_mb} --saves {args.saves}`; torch {torch.__version__}",
+        (
+            f"- command: `python -m benchmarks.bench_manager_async --size-mb {args.size_mb} "
+            f"--saves {args.saves}`; torch {torch.__version__}"
+        ),
         "",
-        "| reuse_staging | blocked, save 1 | blocked, saves 2+ (median) | total, saves 2+ (median) | RSS after the last save |",
+        (
+            "| reuse_staging | blocked, save 1 | blocked, saves 2+ (median) | total, saves 2+ "
+            "(median) | RSS after the last save |"
+        ),
         "|---|---:|---:|---:|---:|",
     ]
     for variant, rows in results.items():
         later = rows[1:] or rows
         lines.append(
-            f"| {variant == 'reuse'} | {rows[0]['blocked_s']:.3f} s | {statistics.median(r['blocked_s'] for r in later):.3f} s | "
-            f"{statistics.median(r['total_s'] for r in later):.2f} s | {rows[-1]['rss_mib']:.0f} MiB |"
+            f"| {variant == 'reuse'} | {rows[0]['blocked_s']:.3f} s | "
+            f"{statistics.median(r['blocked_s'] for r in later):.3f} s | "
+            f"{statistics.median(r['total_s'] for r in later):.2f} s | {rows[-1]['rss_mib']:.0f} "
+            "MiB |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

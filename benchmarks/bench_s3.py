@@ -4,8 +4,8 @@ on moto or on Ceph radosgw (``--server``).
 ``--server moto`` (default): a moto S3 server (ThreadedMotoServer on 127.0.0.1, port 0) runs in
 its own process, so its CPU use is outside the measured ranks' GIL. ``--server radosgw``: a
 one-node Ceph cluster (monitor, memstore OSD, radosgw on 127.0.0.1) started by
-``tests/_radosgw.py`` (``scripts/radosgw.sh``). Either way the ranks talk to the store over
-loopback through s3fs, and the store shares the machine's cores with them. Every measurement
+``tests/support/radosgw.py`` (``scripts/setup/radosgw.sh``). Either way the ranks talk to the store
+over loopback through s3fs, and the store shares the machine's cores with them. Every measurement
 runs in fresh rank processes (gloo, ``file://`` rendezvous, spawn), like ``bench_save_load.py``.
 Each run uses a bucket of its own.
 
@@ -21,7 +21,8 @@ Save contenders (``dcp.save`` of the same state dict; wall time = max over ranks
                  the coordinator completes the upload); its writer.merge_stats is recorded
   b  pt_fsspec   torch FsspecWriter("s3://<bucket>/pt_fsspec_rN", **storage_options) (.distcp,
                  not consolidated)
-  c  raw_s3fs    each rank fs.pipe()s the bytes of its local shards, one object per tensor (the floor)
+  c  raw_s3fs    each rank fs.pipe()s the bytes of its local shards, one object per tensor (the
+  floor)
 Load contenders (``dcp.load``, wall time as above), resharded by default:
   d  ours_load       HFStorageReader of (a)'s checkpoint
   e  pt_fsspec_load  torch FsspecReader of (b)'s checkpoint
@@ -45,7 +46,7 @@ machine used during its timed call (``other_cpu_s``: /proc/stat busy time minus 
 the store's CPU), so results taken next to other jobs show as such. At the end, untimed, one
 4 KiB and one 16 MiB ranged GET of ours' file are probed (5 each): what a request costs here.
 
-Run ``python benchmarks/bench_s3.py --help`` for the flags; ``--md-out FILE`` writes a markdown
+Run ``python -m benchmarks.bench_s3 --help`` for the flags; ``--md-out FILE`` writes a markdown
 report with the raw JSON lines.
 """
 
@@ -65,14 +66,43 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-from _harness import (
-    MiB, CallTimeout, Runner, collect_garbage, dtensor_state_dict, env_record, expected_local, fmt, fmt_mib, gather_results, init_dist, interleave,
-    local_shape, make_work_dir, max_over, median, model_spec, original_full, osd_used_bytes, paired_ratios, remove_work_dir, run_ranks, same_bits,
-    seal_aws_env, select, server_stats, start_server, stats_delta, storage_options, sys_busy_s, timed_call, timed_subclass, total_bytes, wait_idle,
-    wide_model_dims, write_report,
+from benchmarks._harness import (
+    CallTimeout,
+    MiB,
+    Runner,
+    collect_garbage,
+    dtensor_state_dict,
+    env_record,
+    expected_local,
+    fmt,
+    fmt_mib,
+    gather_results,
+    init_dist,
+    interleave,
+    local_shape,
+    make_work_dir,
+    max_over,
+    median,
+    model_spec,
+    original_full,
+    osd_used_bytes,
+    paired_ratios,
+    remove_work_dir,
+    run_ranks,
+    same_bits,
+    seal_aws_env,
+    select,
+    server_stats,
+    start_server,
+    stats_delta,
+    storage_options,
+    sys_busy_s,
+    timed_call,
+    timed_subclass,
+    total_bytes,
+    wait_idle,
+    wide_model_dims,
+    write_report,
 )
 
 BUCKET_PREFIX = "bench-"  # + a random suffix: one bucket per run
@@ -94,7 +124,7 @@ def col_get_count(spec, world: int, rank: int = 0) -> int:
     helpers are not importable."""
     try:
         from hf_dcp_storage.io.slabs import slab_bounds
-        from hf_dcp_storage.reader import coalesce
+        from hf_dcp_storage.plan.reads import coalesce
     except ImportError:
         return sum(s[0] if len(s) >= 2 else 1 for _, s in spec)
     n_req = 0
@@ -105,7 +135,9 @@ def col_get_count(spec, world: int, rank: int = 0) -> int:
         c0, n = local_shape((shape[1],), rank, world)
         row = 2 * math.prod(shape[1:])
         for r0, r1 in slab_bounds((shape[0], n), 2):
-            n_req += len(coalesce([(r * row + 2 * c0, r * row + 2 * (c0 + n)) for r in range(r0, r1)]))
+            n_req += len(
+                coalesce([(r * row + 2 * c0, r * row + 2 * (c0 + n)) for r in range(r0, r1)])
+            )
     return n_req
 
 
@@ -124,7 +156,7 @@ def project_client_fraction(spec, world: int, header_len: int = 16 << 10) -> flo
     ``plan_file_parts`` on the file's byte runs and their owners. A run of one rank shorter than
     S3's 5 MiB minimum part is staged, then gathered (by the ranks)."""
     try:
-        from hf_dcp_storage.plan.s3parts import GatherPart, plan_file_parts
+        from hf_dcp_storage.plan.parts import GatherPart, plan_file_parts
     except ImportError:
         return None
     runs, pos = [], header_len
@@ -136,7 +168,7 @@ def project_client_fraction(spec, world: int, header_len: int = 16 << 10) -> flo
             pos += n * row
     try:
         parts = plan_file_parts(header_len, runs, pos)
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort: any failure reads as unknown
         return None
     return sum(p.nbytes for p in parts if isinstance(p, GatherPart)) / pos
 
@@ -150,15 +182,32 @@ def _projection_lines(spec, world: int) -> list[str]:
         else:
             sp = [("e", (v, h))]
             for _ in range(layers):
-                sp += [("n", (h,)), ("q", (h, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, h)), ("n", (h,)), ("g", (i, h)), ("u", (i, h)), ("d", (h, i))]
+                sp += [
+                    ("n", (h,)),
+                    ("q", (h, h)),
+                    ("k", (kv, h)),
+                    ("v", (kv, h)),
+                    ("o", (h, h)),
+                    ("n", (h,)),
+                    ("g", (i, h)),
+                    ("u", (i, h)),
+                    ("d", (h, i)),
+                ]
             sp += [("n", (h,)), ("lm", (v, h))]
         fr = [project_client_fraction(sp, w) for w in worlds]
         if any(f is None for f in fr):
             return []
-        rows.append(f"| {name} | {total_bytes(sp) / (1 << 30):.2f} | " + " | ".join(f"{f * 100:.1f} %" for f in fr) + " |")
+        rows.append(
+            f"| {name} | {total_bytes(sp) / (1 << 30):.2f} | "
+            + " | ".join(f"{f * 100:.1f} %" for f in fr)
+            + " |"
+        )
     return [
-        "**projected client-side consolidation bytes** (not measured: the library's part planner run on the byte runs "
-        "of a Shard(0) save into one file, bf16; one rank's runs under S3's 5 MiB minimum part are staged, then gathered by the ranks)",
+        (
+            "**projected client-side consolidation bytes** (not measured: the library's part "
+            "planner run on the byte runs of a Shard(0) save into one file, bf16; one rank's runs "
+            "under S3's 5 MiB minimum part are staged, then gathered by the ranks)"
+        ),
         "",
         "| model | GiB | " + " | ".join(f"{w} ranks" for w in worlds) + " |",
         "|---|---:|" + "---:|" * len(worlds),
@@ -187,7 +236,9 @@ def _server_step(writer, name: str):
         yield
     finally:
         if s0 is not None:
-            writer.__dict__.setdefault("bench_server", {})[name] = stats_delta(s0, server_stats(srv))
+            writer.__dict__.setdefault("bench_server", {})[name] = stats_delta(
+                s0, server_stats(srv)
+            )
 
 
 def _writer(name: str, url: str, cfg: dict):
@@ -199,12 +250,18 @@ def _writer(name: str, url: str, cfg: dict):
 
         # _complete_s3: the coordinator's part of finish on S3 (CompleteMultipartUpload; the ranks
         # gathered the staged small runs in write_data); _merge: the non-S3 staged path.
-        cls = timed_subclass(HFStorageWriter, ["prepare_global_plan", "write_data", "finish", "_complete_s3", "_merge"], _server_step)
+        cls = timed_subclass(
+            HFStorageWriter,
+            ["prepare_global_plan", "write_data", "finish", "_complete_s3", "_merge"],
+            _server_step,
+        )
         w = cls(url, storage_options=opts, max_shard_size=cfg["max_shard_size"], **kw)
     elif name == "pt_fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        w = timed_subclass(FsspecWriter, ["prepare_global_plan", "write_data", "finish"], _server_step)(url, **kw, **opts)
+        w = timed_subclass(
+            FsspecWriter, ["prepare_global_plan", "write_data", "finish"], _server_step
+        )(url, **kw, **opts)
     else:
         raise ValueError(name)
     w.bench_srv = cfg["server"]
@@ -217,12 +274,18 @@ def _reader(name: str, url: str, cfg: dict, timed: bool = True):
         from hf_dcp_storage import HFStorageReader
 
         kw = {} if cfg["threads"] is None else {"thread_count": cfg["threads"]}
-        cls = timed_subclass(HFStorageReader, ["read_metadata", "read_data"]) if timed else HFStorageReader
+        cls = (
+            timed_subclass(HFStorageReader, ["read_metadata", "read_data"])
+            if timed
+            else HFStorageReader
+        )
         return cls(url, storage_options=opts, **kw)
     if name == "pt_fsspec_load":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        cls = timed_subclass(FsspecReader, ["read_metadata", "read_data"]) if timed else FsspecReader
+        cls = (
+            timed_subclass(FsspecReader, ["read_metadata", "read_data"]) if timed else FsspecReader
+        )
         return cls(url, **opts)
     raise ValueError(name)
 
@@ -263,10 +326,15 @@ def _warmup(name: str, mesh, rank: int, world: int, url: str, cfg: dict, layout:
         _save_call(name, data, url, rank, cfg)[0]()
         return
     dcp.save(data, storage_writer=_writer("ours" if name == "ours_load" else "pt_fsspec", url, cfg))
-    dcp.load(dtensor_state_dict(spec, mesh, rank, world, fill="zeros", layout=layout), storage_reader=_reader(name, url, cfg, timed=False))
+    dcp.load(
+        dtensor_state_dict(spec, mesh, rank, world, fill="zeros", layout=layout),
+        storage_reader=_reader(name, url, cfg, timed=False),
+    )
 
 
-def _verify_save(name: str, spec, sd, url: str, rank: int, world: int, cfg: dict, mesh, handle) -> dict:
+def _verify_save(
+    name: str, spec, sd, url: str, rank: int, world: int, cfg: dict, mesh, handle
+) -> dict:
     """Outside the timing: read what was saved back and compare with the originals, bit for bit."""
     t0 = time.perf_counter()
     bad: list[str] = []
@@ -289,7 +357,9 @@ def _verify_save(name: str, spec, sd, url: str, rank: int, world: int, cfg: dict
                 tensors = st_load(fs.cat_file(f"{root}/{fn}"))
                 for k in [k for k, f in wm.items() if f == fn]:
                     checked += 1
-                    if k not in tensors or not same_bits(tensors.pop(k), original_full(k, shapes[k], world)):
+                    if k not in tensors or not same_bits(
+                        tensors.pop(k), original_full(k, shapes[k], world)
+                    ):
                         bad.append(k)
                 bad += [f"extra:{k}" for k in tensors]
                 del tensors
@@ -309,7 +379,12 @@ def _verify_save(name: str, spec, sd, url: str, rank: int, world: int, cfg: dict
             checked += 1
             if got.get(p) != _shard_bytes(sd[k]):
                 bad.append(k)
-    return {"verify_checked": checked, "verify_n_bad": len(bad), "verify_bad": bad[:5], "verify_s": time.perf_counter() - t0}
+    return {
+        "verify_checked": checked,
+        "verify_n_bad": len(bad),
+        "verify_bad": bad[:5],
+        "verify_s": time.perf_counter() - t0,
+    }
 
 
 def _merge_stats(ms) -> dict:
@@ -346,11 +421,14 @@ def rank_main(rank: int, world: int, job: dict) -> None:
 
         sd = dtensor_state_dict(spec, mesh, rank, world, fill="zeros", layout=layout)
         handle = _reader(name, job["url"], cfg)
-        call = lambda: dcp.load(sd, storage_reader=handle)
+        call = lambda: dcp.load(sd, storage_reader=handle)  # noqa: E731 - a one-line call to time
     snap: dict = {}
 
     def before() -> None:  # untimed: the store's counters and the machine's busy time (rank 0)
-        snap.update(s0=server_stats(cfg["server"]) if rank == 0 else None, b0=sys_busy_s() if rank == 0 else None)
+        snap.update(
+            s0=server_stats(cfg["server"]) if rank == 0 else None,
+            b0=sys_busy_s() if rank == 0 else None,
+        )
         snap["ru0"] = resource.getrusage(resource.RUSAGE_SELF)
 
     def started() -> None:
@@ -381,8 +459,17 @@ def rank_main(rank: int, world: int, job: dict) -> None:
             extra.update(_verify_save(name, spec, sd, job["url"], rank, world, cfg, mesh, handle))
     else:
         t1 = time.perf_counter()
-        bad = [k for k, s in spec if not same_bits(sd[k].to_local(), expected_local(k, s, rank, world, layout))]
-        extra.update(verify_checked=len(spec), verify_n_bad=len(bad), verify_bad=bad[:5], verify_s=time.perf_counter() - t1)
+        bad = [
+            k
+            for k, s in spec
+            if not same_bits(sd[k].to_local(), expected_local(k, s, rank, world, layout))
+        ]
+        extra.update(
+            verify_checked=len(spec),
+            verify_n_bad=len(bad),
+            verify_bad=bad[:5],
+            verify_s=time.perf_counter() - t1,
+        )
 
     per_rank = {"rank": rank, "call_s": timed.call_s, "wall_s": timed.wall_s, **timed.mem, **extra}
     gather_results(dist, rank, world, per_rank, job["result"])
@@ -412,25 +499,58 @@ class S3Runner(Runner):
             self.fs.rm(url.removeprefix("s3://"), recursive=True)
         collect_garbage(self.srv)
 
-    def measure(self, name: str, *, repeat: int, phase: str, url: str, layout: str = "row", call_timeout: float | None = None) -> dict:
+    def measure(
+        self,
+        name: str,
+        *,
+        repeat: int,
+        phase: str,
+        url: str,
+        layout: str = "row",
+        call_timeout: float | None = None,
+    ) -> dict:
         job = self.job(name, cfg=self.cfg, spec=self.spec, url=url, layout=layout)
         job["scratch_url"] = f"s3://{self.bucket}/_warmup/{job['tag']}"
-        rec = {"phase": phase, "contender": name, "repeat": repeat, "layout": layout, "ranks": self.args.ranks, "url": url}
+        rec = {
+            "phase": phase,
+            "contender": name,
+            "repeat": repeat,
+            "layout": layout,
+            "ranks": self.args.ranks,
+            "url": url,
+        }
         s0 = server_stats(self.srv)
         t_start = time.time()
         try:
-            per_rank = run_ranks(rank_main, job, self.args.ranks, sample_ms=self.cfg["sample_ms"],
-                                 call_timeout=call_timeout, hard_timeout=self.args.hard_timeout)
+            per_rank = run_ranks(
+                rank_main,
+                job,
+                self.args.ranks,
+                sample_ms=self.cfg["sample_ms"],
+                call_timeout=call_timeout,
+                hard_timeout=self.args.hard_timeout,
+            )
         except CallTimeout as exc:
             s1 = server_stats(self.srv)
             wait_idle(self.srv)
-            rec.update(ok=False, timed_out=True, error=str(exc), time_s=None, timeout_s=call_timeout,
-                       server_until_kill=stats_delta(s0, s1), process_s=round(time.time() - t_start, 1))
+            rec.update(
+                ok=False,
+                timed_out=True,
+                error=str(exc),
+                time_s=None,
+                timeout_s=call_timeout,
+                server_until_kill=stats_delta(s0, s1),
+                process_s=round(time.time() - t_start, 1),
+            )
             self.emit(rec)
             return rec
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing contender is reported, the rest still run
             wait_idle(self.srv)
-            rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], process_s=round(time.time() - t_start, 1))
+            rec.update(
+                ok=False,
+                error=f"{type(exc).__name__}: {exc}"[:2000],
+                process_s=round(time.time() - t_start, 1),
+            )
             self.emit(rec)
             return rec
         finally:
@@ -455,7 +575,14 @@ class S3Runner(Runner):
             server_steps=r0.get("server_steps"),
             merge_stats=r0.get("merge_stats"),
             phases=[r.get("phases") for r in per_rank],
-            per_rank=[{k: v for k, v in r.items() if k not in ("server", "server_steps", "merge_stats", "phases")} for r in per_rank],
+            per_rank=[
+                {
+                    k: v
+                    for k, v in r.items()
+                    if k not in ("server", "server_steps", "merge_stats", "phases")
+                }
+                for r in per_rank
+            ],
             process_s=round(time.time() - t_start, 1),
         )
         busy, srv_cpu = r0.get("sys_busy_cpu_s"), (rec["server"] or {}).get("server_cpu_s")
@@ -471,7 +598,8 @@ class S3Runner(Runner):
         return rec
 
     def _stored(self, url: str) -> dict:
-        """Bytes and objects left under the prefix, and unfinished multipart uploads in the bucket."""
+        """Bytes and objects left under the prefix, and unfinished multipart uploads in the
+        bucket."""
         root = url.removeprefix("s3://")
         out: dict = {}
         with contextlib.suppress(Exception):
@@ -498,7 +626,12 @@ class S3Runner(Runner):
                 data = self.fs.cat_file(big, start=off, end=off + 4096)
                 ts.append(time.perf_counter() - t0)
                 assert len(data) == 4096
-            out = {"object": big.rsplit("/", 1)[-1], "object_bytes": files[big], "get_4k_s_median": statistics.median(ts), "runs": ts}
+            out = {
+                "object": big.rsplit("/", 1)[-1],
+                "object_bytes": files[big],
+                "get_4k_s_median": statistics.median(ts),
+                "runs": ts,
+            }
             ts = []
             for i in range(n):  # the same with one slab's worth (the reader's request size)
                 off = (files[big] // (n + 1)) * i
@@ -515,7 +648,8 @@ def _ops_desc(ops: dict, server: str) -> str:
         return o.get("busy_s") or 0.0
 
     return ", ".join(
-        f"{op} {o['requests']}" + (f" ({fmt_mib(o['bytes_in'])} in)" if o["bytes_in"] > MiB else "")
+        f"{op} {o['requests']}"
+        + (f" ({fmt_mib(o['bytes_in'])} in)" if o["bytes_in"] > MiB else "")
         + (f" ({fmt_mib(o['bytes_out'])} out)" if o["bytes_out"] > MiB else "")
         + (f" ({fmt_mib(o['copied'])} copied)" if o["copied"] else "")
         + (f" [{server} busy {o['busy_s']:.1f} s]" if o.get("busy_s") is not None else "")
@@ -536,7 +670,13 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
 
     def med_max_rank(ok, step):
         """Median over repeats of the slowest rank's time in ``step``."""
-        return median([max((p or {}).get(step, 0) for p in r["phases"]) if any(r["phases"]) else None for r in ok if r.get("phases")])
+        return median(
+            [
+                max((p or {}).get(step, 0) for p in r["phases"]) if any(r["phases"]) else None
+                for r in ok
+                if r.get("phases")
+            ]
+        )
 
     def med_coord(ok, step):
         return median([(r["phases"][0] or {}).get(step) for r in ok if r.get("phases")])
@@ -545,11 +685,18 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
     if saves:
         smed = {n: med(saves, n) for n in SAVE.values()}
         lines += [
-            "**save** (`dcp.save`, Shard(0) state dict, wall s = max over ranks; every column but 'runs' and "
-            "'extra peak RSS' (max of the repeats) is a median over the repeats)",
+            (
+                "**save** (`dcp.save`, Shard(0) state dict, wall s = max over ranks; every column "
+                "but 'runs' and 'extra peak RSS' (max of the repeats) is a median over the "
+                "repeats)"
+            ),
             "",
-            f"| contender | median s | runs s | MB/s | × {SAVE_REF} | × {SAVE_FLOOR} | write_data s (slowest rank) | finish s (coordinator) "
-            f"| of which _complete_s3 s | rank CPU s (sum) | {cpu_col} (of which in finish) | extra peak RSS/rank MiB | verified |",
+            (
+                f"| contender | median s | runs s | MB/s | × {SAVE_REF} | × {SAVE_FLOOR} | "
+                "write_data s (slowest rank) | finish s (coordinator) | of which _complete_s3 s "
+                f"| rank CPU s (sum) | {cpu_col} (of which in finish) | extra peak RSS/rank MiB | "
+                "verified |"
+            ),
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for n in SAVE.values():
@@ -562,23 +709,39 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
             wd = med_max_rank(ok, "write_data")
             fin, cpl = med_coord(ok, "finish"), med_coord(ok, "_complete_s3")
             scpu = median([(r.get("server") or {}).get("server_cpu_s") for r in ok])
-            sfin = median([((r.get("server_steps") or {}).get("finish") or {}).get("server_cpu_s") for r in ok])
-            scpu_s = "-" if scpu is None else f"{scpu:.1f}" + ("" if sfin is None else f" ({sfin:.1f})")
+            sfin = median(
+                [
+                    ((r.get("server_steps") or {}).get("finish") or {}).get("server_cpu_s")
+                    for r in ok
+                ]
+            )
+            scpu_s = (
+                "-" if scpu is None else f"{scpu:.1f}" + ("" if sfin is None else f" ({sfin:.1f})")
+            )
             lines.append(
                 f"| {n} | {m:.2f} | {runs} | {size / m / 1e6:.0f} | "
                 f"{(m / smed[SAVE_REF]) if (m and smed.get(SAVE_REF)) else float('nan'):.2f} | "
-                f"{(m / smed[SAVE_FLOOR]) if (m and smed.get(SAVE_FLOOR)) else float('nan'):.2f} | "
-                f"{fmt(wd)} | {fmt(fin)} | {fmt(cpl)} | "
+                f"{(m / smed[SAVE_FLOOR]) if (m and smed.get(SAVE_FLOOR)) else float('nan'):.2f} "
+                f"| {fmt(wd)} | {fmt(fin)} | {fmt(cpl)} | "
                 f"{median([r.get('cpu_s_ranks') for r in ok]) or 0:.1f} | {scpu_s} | "
-                f"{max((r.get('rss_extra_mib') or 0) for r in ok):.0f} | {'yes' if all(r.get('verified') for r in ok) else 'NO'} |"
-                if m else f"| {n} | FAILED | {runs} | | | | | | | | | | |"
+                f"{max((r.get('rss_extra_mib') or 0) for r in ok):.0f} | "
+                f"{'yes' if all(r.get('verified') for r in ok) else 'NO'} |"
+                if m
+                else f"| {n} | FAILED | {runs} | | | | | | | | | | |"
             )
         lines.append("")
-        counted = "counted in the moto process" if kind == "moto" else "radosgw perf counters (PUT/UploadPart bodies in, GET bodies out)"
+        counted = (
+            "counted in the moto process"
+            if kind == "moto"
+            else "radosgw perf counters (PUT/UploadPart bodies in, GET bodies out)"
+        )
         lines += [
             f"**bytes moved during the timed save** ({counted}; last repeat)",
             "",
-            "| contender | client→server | server→client | server-side copied (UploadPartCopy) | requests | stored after | objects | open multipart uploads |",
+            (
+                "| contender | client→server | server→client | server-side copied "
+                "(UploadPartCopy) | requests | stored after | objects | open multipart uploads |"
+            ),
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for n in SAVE.values():
@@ -588,11 +751,17 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
             r = ok[-1]
             mo, st = r.get("server") or {}, r.get("stored") or {}
             lines.append(
-                f"| {n} | {fmt_mib(mo.get('bytes_in'))} | {fmt_mib(mo.get('bytes_out'))} | {fmt_mib(mo.get('server_copied'))} | "
-                f"{mo.get('requests', '-')} | {fmt_mib(st.get('bytes'))} | {st.get('objects', '-')} | {st.get('open_uploads', '-')} |"
+                f"| {n} | {fmt_mib(mo.get('bytes_in'))} | {fmt_mib(mo.get('bytes_out'))} | "
+                f"{fmt_mib(mo.get('server_copied'))} | {mo.get('requests', '-')} | "
+                f"{fmt_mib(st.get('bytes'))} | {st.get('objects', '-')} | "
+                f"{st.get('open_uploads', '-')} |"
             )
         lines.append("")
-        lines.append("Requests by S3 operation (last repeat" + ("" if kind == "moto" else "; radosgw's counters: GET counts HEAD too") + "):")
+        lines.append(
+            "Requests by S3 operation (last repeat"
+            + ("" if kind == "moto" else "; radosgw's counters: GET counts HEAD too")
+            + "):"
+        )
         lines.append("")
         for n in SAVE.values():
             ok = [r for r in saves if r["contender"] == n and r.get("ok")]
@@ -601,15 +770,21 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
                 fin = (ok[-1].get("server_steps") or {}).get("finish")
                 if fin and fin.get("ops") is not None:
                     lines.append(
-                        f"  - of which in `finish` (coordinator; {cpu_col.removesuffix(' s')} {fin['server_cpu_s']:.1f} s): "
-                        f"{_ops_desc(fin['ops'], kind)}"
+                        f"  - of which in `finish` (coordinator; {cpu_col.removesuffix(' s')} "
+                        f"{fin['server_cpu_s']:.1f} s): {_ops_desc(fin['ops'], kind)}"
                     )
         lines.append("")
-        ms = [r["merge_stats"] for r in saves if r["contender"] == "ours" and r.get("ok") and r.get("merge_stats")]
+        ms = [
+            r["merge_stats"]
+            for r in saves
+            if r["contender"] == "ours" and r.get("ok") and r.get("merge_stats")
+        ]
         for i, m in enumerate(ms):
             lines.append(
-                f"- ours merge_stats (repeat {i}): files {m['files']}, total {m['total_bytes']} B, sent by the ranks "
-                f"as their own parts {m['rank_part_bytes']} B, staged and gathered {m['client_bytes']} B (by the coordinator {m.get('coordinator_bytes', 'n/a')} B) = client_fraction "
+                f"- ours merge_stats (repeat {i}): files {m['files']}, total {m['total_bytes']} "
+                f"B, sent by the ranks as their own parts {m['rank_part_bytes']} B, staged and "
+                f"gathered {m['client_bytes']} B (by the coordinator "
+                f"{m.get('coordinator_bytes', 'n/a')} B) = client_fraction "
                 f"{m['client_fraction'] * 100:.4f} %"
             )
         lines.append("")
@@ -624,7 +799,8 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
             if not sub:
                 continue
             title = (
-                "**load, resharded** (saved Shard(0) on the ranks, loaded into Shard(1) column shards; 1-D norms Shard(0))"
+                "**load, resharded** (saved Shard(0) on the ranks, loaded into Shard(1) column "
+                "shards; 1-D norms Shard(0))"
                 if layout == "col"
                 else "**load, same sharding** (saved Shard(0), loaded into Shard(0))"
             )
@@ -632,8 +808,11 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
             lines += [
                 title,
                 "",
-                f"| contender | median s | runs s | MB/s | × {LOAD_REF} | read_metadata s | read_data s (slowest rank) | {gets_col} | "
-                f"server→client | {cpu_col} | rank CPU s (sum) | extra peak RSS/rank MiB | verified |",
+                (
+                    f"| contender | median s | runs s | MB/s | × {LOAD_REF} | read_metadata s | "
+                    f"read_data s (slowest rank) | {gets_col} | server→client | {cpu_col} | rank "
+                    "CPU s (sum) | extra peak RSS/rank MiB | verified |"
+                ),
                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             ]
             for n in LOAD.values():
@@ -642,30 +821,49 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
                     continue
                 ok = [r for r in rows if r.get("ok")]
                 runs = ", ".join(
-                    f"{r['time_s']:.2f}" if r.get("ok") else (f"> {r['timeout_s']:.0f} (stopped)" if r.get("timed_out") else "FAILED")
+                    f"{r['time_s']:.2f}"
+                    if r.get("ok")
+                    else (f"> {r['timeout_s']:.0f} (stopped)" if r.get("timed_out") else "FAILED")
                     for r in rows
                 )
                 m = med(sub, n)
                 if not ok:
                     tr = [r for r in rows if r.get("timed_out")]
                     mo = (tr[0].get("server_until_kill") or {}) if tr else {}
-                    gets = sum(o["requests"] for op, o in mo.get("ops", {}).items() if op.startswith("GetObject"))
+                    gets = sum(
+                        o["requests"]
+                        for op, o in mo.get("ops", {}).items()
+                        if op.startswith("GetObject")
+                    )
                     lines.append(
-                        f"| {n} | > {tr[0]['timeout_s']:.0f} | {runs} | < {size / tr[0]['timeout_s'] / 1e6:.1f} | "
-                        f"> {(tr[0]['timeout_s'] / ref) if ref else float('nan'):.1f} | - | - | {gets} done when stopped | "
-                        f"{fmt_mib(mo.get('bytes_out'))} | {mo.get('server_cpu_s', '-')} | - | - | - |"
-                        if tr else f"| {n} | FAILED | {runs} | | | | | | | | | | |"
+                        f"| {n} | > {tr[0]['timeout_s']:.0f} | {runs} | < "
+                        f"{size / tr[0]['timeout_s'] / 1e6:.1f} | > "
+                        f"{(tr[0]['timeout_s'] / ref) if ref else float('nan'):.1f} | - | - | "
+                        f"{gets} done when stopped | {fmt_mib(mo.get('bytes_out'))} | "
+                        f"{mo.get('server_cpu_s', '-')} | - | - | - |"
+                        if tr
+                        else f"| {n} | FAILED | {runs} | | | | | | | | | | |"
                     )
                     continue
                 rm, rd = med_max_rank(ok, "read_metadata"), med_max_rank(ok, "read_data")
                 mo = ok[-1].get("server") or {}
-                gets = sum(o["requests"] for op, o in mo.get("ops", {}).items() if op.startswith("GetObject")) if mo.get("ops") else "-"
+                gets = (
+                    sum(
+                        o["requests"]
+                        for op, o in mo.get("ops", {}).items()
+                        if op.startswith("GetObject")
+                    )
+                    if mo.get("ops")
+                    else "-"
+                )
                 scpu = median([(r.get("server") or {}).get("server_cpu_s") for r in ok])
                 lines.append(
-                    f"| {n} | {m:.2f} | {runs} | {size / m / 1e6:.0f} | {(m / ref) if ref else float('nan'):.2f} | "
-                    f"{fmt(rm)} | {fmt(rd)} | {gets} | {fmt_mib(mo.get('bytes_out'))} | "
-                    f"{fmt(scpu, '.1f')} | {median([r.get('cpu_s_ranks') for r in ok]) or 0:.1f} | "
-                    f"{max((r.get('rss_extra_mib') or 0) for r in ok):.0f} | {'yes' if all(r.get('verified') for r in ok) else 'NO'} |"
+                    f"| {n} | {m:.2f} | {runs} | {size / m / 1e6:.0f} | "
+                    f"{(m / ref) if ref else float('nan'):.2f} | {fmt(rm)} | {fmt(rd)} | {gets} | "
+                    f"{fmt_mib(mo.get('bytes_out'))} | {fmt(scpu, '.1f')} | "
+                    f"{median([r.get('cpu_s_ranks') for r in ok]) or 0:.1f} | "
+                    f"{max((r.get('rss_extra_mib') or 0) for r in ok):.0f} | "
+                    f"{'yes' if all(r.get('verified') for r in ok) else 'NO'} |"
                 )
             lines.append(f"({gets_col} and server→client: last repeat)")
             lines.append("")
@@ -673,38 +871,65 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
     for p in probes:
         if p.get("get_4k_s_median") is not None:
             line = (
-                f"- probe (untimed, one request at a time from the orchestrator): one ranged GET of `{p['object']}` "
-                f"({fmt_mib(p['object_bytes'])}) takes {p['get_4k_s_median'] * 1000:.0f} ms for 4 KiB"
-                + (f", {p['get_16m_s_median'] * 1000:.0f} ms for 16 MiB" if p.get("get_16m_s_median") is not None else "")
+                "- probe (untimed, one request at a time from the orchestrator): one ranged GET "
+                f"of `{p['object']}` ({fmt_mib(p['object_bytes'])}) takes "
+                f"{p['get_4k_s_median'] * 1000:.0f} ms for 4 KiB"
+                + (
+                    f", {p['get_16m_s_median'] * 1000:.0f} ms for 16 MiB"
+                    if p.get("get_16m_s_median") is not None
+                    else ""
+                )
                 + f" on this {kind} (medians of {len(p['runs'])})"
             )
             if p.get("col_gets_per_rank"):
                 line += (
-                    f"; ours' col load makes about {p['col_gets_per_rank']} GETs per rank ({p['col_gets_per_rank'] * p['world']} in all), "
-                    f"about {p['col_eta_s'] / 60:.1f} min at the 4 KiB rate with requests serialised"
+                    f"; ours' col load makes about {p['col_gets_per_rank']} GETs per rank "
+                    f"({p['col_gets_per_rank'] * p['world']} in all), about "
+                    f"{p['col_eta_s'] / 60:.1f} min at the 4 KiB rate with requests serialised"
                 )
             lines.append(line)
-    timed = [r for r in records if r.get("phase") in ("save", "load") and r.get("other_cpu_s") is not None]
+    timed = [
+        r
+        for r in records
+        if r.get("phase") in ("save", "load") and r.get("other_cpu_s") is not None
+    ]
     if timed:
         worst = max(timed, key=lambda r: r["other_cpu_s"])
         busy = [r for r in timed if r["other_cpu_s"] > 1.0]
         lines.append(
-            f"- CPU used by anything else on the machine during the timed calls (machine busy time − ranks − store; includes "
-            f"this script's RSS sampler): median {median([r['other_cpu_s'] for r in timed]):.2f} s, max {worst['other_cpu_s']:.2f} s "
-            f"({worst['phase']} {worst['contender']} {worst.get('layout')} repeat {worst['repeat']}); "
-            + (f"{len(busy)} of {len(timed)} measurements over 1 s: "
-               + ", ".join(f"{r['phase']} {r['contender']}/{r['layout']}/r{r['repeat']} {r['other_cpu_s']:.1f} s" for r in busy)
-               if busy else "none over 1 s")
+            "- CPU used by anything else on the machine during the timed calls (machine busy "
+            "time − ranks − store; includes this script's RSS sampler): median "
+            f"{median([r['other_cpu_s'] for r in timed]):.2f} s, max {worst['other_cpu_s']:.2f} s "
+            f"({worst['phase']} {worst['contender']} {worst.get('layout')} repeat "
+            f"{worst['repeat']}); "
+            + (
+                f"{len(busy)} of {len(timed)} measurements over 1 s: "
+                + ", ".join(
+                    f"{r['phase']} {r['contender']}/{r['layout']}/r{r['repeat']} "
+                    f"{r['other_cpu_s']:.1f} s"
+                    for r in busy
+                )
+                if busy
+                else "none over 1 s"
+            )
         )
     failed = [r for r in records if r.get("ok") is False and not r.get("timed_out")]
     for r in failed:
-        lines.append(f"- FAILED: {r.get('phase')} {r.get('contender')} ({r.get('layout')}) repeat {r.get('repeat')}: {r.get('error')}")
+        lines.append(
+            f"- FAILED: {r.get('phase')} {r.get('contender')} ({r.get('layout')}) repeat "
+            f"{r.get('repeat')}: {r.get('error')}"
+        )
 
     # ---- targets ----
-    def ratio_line(what: str, rows: list[dict], a_name: str, b_name: str, a: float, b: float) -> str:
+    def ratio_line(
+        what: str, rows: list[dict], a_name: str, b_name: str, a: float, b: float
+    ) -> str:
         pr = paired_ratios(rows, a_name, b_name)
         paired = f"; per repeat {', '.join(f'{x:.2f}' for x in pr)}" if len(pr) > 1 else ""
-        return f"- {what} = {a / b:.2f} (ratio of medians{paired}; target ≤ 1.0): {'met' if a / b <= 1.0 else 'MISSED'}"
+        return (
+            f"- {what} = {a / b:.2f} (ratio of medians{paired}; target ≤ 1.0): "
+            f"{'met' if a / b <= 1.0 else 'MISSED'}"
+        )
 
     t: list[str] = []
     if saves:
@@ -716,46 +941,123 @@ def summarize(records: list[dict], cfg: dict, spec) -> str:
         if not sub:
             continue
         a, b = med(sub, "ours_load"), med(sub, LOAD_REF)
-        lbl = "resharded Shard(0)->Shard(1)" if layout == "col" else "same sharding Shard(0)->Shard(0)"
+        lbl = (
+            "resharded Shard(0)->Shard(1)"
+            if layout == "col"
+            else "same sharding Shard(0)->Shard(0)"
+        )
         if a and b:
-            t.append(ratio_line(f"load ({lbl}): ours / FsspecReader", sub, "ours_load", LOAD_REF, a, b))
+            t.append(
+                ratio_line(f"load ({lbl}): ours / FsspecReader", sub, "ours_load", LOAD_REF, a, b)
+            )
         elif b:
             tr = [r for r in sub if r["contender"] == "ours_load" and r.get("timed_out")]
             if tr:
                 t.append(
-                    f"- load ({lbl}): ours stopped after {tr[0]['timeout_s']:.0f} s, FsspecReader {b:.2f} s: ratio > "
-                    f"{tr[0]['timeout_s'] / b:.0f} (target ≤ 1.0): MISSED"
+                    f"- load ({lbl}): ours stopped after {tr[0]['timeout_s']:.0f} s, FsspecReader "
+                    f"{b:.2f} s: ratio > {tr[0]['timeout_s'] / b:.0f} (target ≤ 1.0): MISSED"
                 )
-    ms = [r["merge_stats"] for r in saves if r["contender"] == "ours" and r.get("ok") and r.get("merge_stats")]
+    ms = [
+        r["merge_stats"]
+        for r in saves
+        if r["contender"] == "ours" and r.get("ok") and r.get("merge_stats")
+    ]
     if ms:
         f = max(m["client_fraction"] for m in ms)
-        t.append(f"- client-side consolidation bytes (merge_stats.client_fraction, max) = {f * 100:.4f} % (target ≤ 5 %): {'met' if f <= 0.05 else 'MISSED'}")
+        t.append(
+            "- client-side consolidation bytes (merge_stats.client_fraction, max) = "
+            f"{f * 100:.4f} % (target ≤ 5 %): {'met' if f <= 0.05 else 'MISSED'}"
+        )
     if t:
-        lines += ["Targets:", ""] + t
+        lines += ["Targets:", "", *t]
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mb", type=float, default=512, help="state dict size in MiB (default 512: llama-7B widths, 1 layer, vocab 8192)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--size-mb",
+        type=float,
+        default=512,
+        help="state dict size in MiB (default 512: llama-7B widths, 1 layer, vocab 8192)",
+    )
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="measurements per contender (default 1)")
-    p.add_argument("--only", default=None, help="comma list of contenders by letter or name: " + ", ".join(f"{k}={v}" for k, v in ALL.items()))
-    p.add_argument("--load-layouts", default="auto",
-                   help="'auto' (col; row too if a col load hits --col-timeout), or a comma list of col,row")
-    p.add_argument("--col-timeout", type=float, default=180.0, help="stop a col load after this many seconds of its timed call (default 180)")
-    p.add_argument("--hard-timeout", type=float, default=900.0, help="kill any measurement whose processes run longer (default 900 s)")
-    p.add_argument("--threads", type=int, default=None, help="thread_count for every storage that has one (default: library defaults)")
-    p.add_argument("--max-shard-size", default="5GB", help="HFStorageWriter max_shard_size (default 5GB: one file)")
-    p.add_argument("--block-size-mb", type=float, default=None,
-                   help="s3fs default_block_size in MiB (default: not set, i.e. s3fs's own 50 MiB)")
-    p.add_argument("--server", choices=("moto", "radosgw"), default="moto",
-                   help="the S3 store: moto (default; its own process) or radosgw (a one-node Ceph cluster, tests/_radosgw.py)")
-    p.add_argument("--moto-tmp", default=None, help="where moto spills objects (default: a folder in /dev/shm if writable)")
-    p.add_argument("--sample-ms", type=float, default=5.0, help="RSS sampling period of the ranks in ms (0: off)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny save/load before each measurement")
-    p.add_argument("--no-verify-saves", action="store_true", help="skip reading every save back (loads are always verified)")
-    p.add_argument("--md-out", default=None, help="also write the markdown report and the JSON lines to this file")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma list of contenders by letter or name: "
+        + ", ".join(f"{k}={v}" for k, v in ALL.items()),
+    )
+    p.add_argument(
+        "--load-layouts",
+        default="auto",
+        help="'auto' (col; row too if a col load hits --col-timeout), or a comma list of col,row",
+    )
+    p.add_argument(
+        "--col-timeout",
+        type=float,
+        default=180.0,
+        help="stop a col load after this many seconds of its timed call (default 180)",
+    )
+    p.add_argument(
+        "--hard-timeout",
+        type=float,
+        default=900.0,
+        help="kill any measurement whose processes run longer (default 900 s)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="thread_count for every storage that has one (default: library defaults)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="HFStorageWriter max_shard_size (default 5GB: one file)",
+    )
+    p.add_argument(
+        "--block-size-mb",
+        type=float,
+        default=None,
+        help="s3fs default_block_size in MiB (default: not set, i.e. s3fs's own 50 MiB)",
+    )
+    p.add_argument(
+        "--server",
+        choices=("moto", "radosgw"),
+        default="moto",
+        help="the S3 store: moto (default; its own process) or radosgw (a one-node Ceph cluster, "
+        "tests/support/radosgw.py)",
+    )
+    p.add_argument(
+        "--moto-tmp",
+        default=None,
+        help="where moto spills objects (default: a folder in /dev/shm if writable)",
+    )
+    p.add_argument(
+        "--sample-ms",
+        type=float,
+        default=5.0,
+        help="RSS sampling period of the ranks in ms (0: off)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed tiny save/load before each measurement",
+    )
+    p.add_argument(
+        "--no-verify-saves",
+        action="store_true",
+        help="skip reading every save back (loads are always verified)",
+    )
+    p.add_argument(
+        "--md-out",
+        default=None,
+        help="also write the markdown report and the JSON lines to this file",
+    )
     return p.parse_args(argv)
 
 
@@ -801,7 +1103,10 @@ def _run(args, t_start, save_names, load_names, d, spec, size, work, server) -> 
         "world": args.ranks,
     }
     env = {
-        **env_record(("s3fs", "fsspec", "botocore", "aiobotocore", "safetensors", "hf_dcp_storage"), with_cpu_model=True),
+        **env_record(
+            ("s3fs", "fsspec", "botocore", "aiobotocore", "safetensors", "hf_dcp_storage"),
+            with_cpu_model=True,
+        ),
         "server": srv["kind"],
         "endpoint": endpoint,
         "bucket": bucket,
@@ -831,17 +1136,24 @@ def _run(args, t_start, save_names, load_names, d, spec, size, work, server) -> 
             _write_md(args.md_out, env, table, work / "results.jsonl", elapsed)
         with contextlib.suppress(Exception):
             fs.rm(bucket, recursive=True)
-    return 0 if all(r.get("ok", True) or r.get("timed_out") for r in runner.records) and all(
-        r.get("verified") is not False for r in runner.records
-    ) else 1
+    return (
+        0
+        if all(r.get("ok", True) or r.get("timed_out") for r in runner.records)
+        and all(r.get("verified") is not False for r in runner.records)
+        else 1
+    )
 
 
-def _schedule(runner: S3Runner, args, spec, bucket: str, save_names: list[str], load_names: list[str]) -> None:
+def _schedule(
+    runner: S3Runner, args, spec, bucket: str, save_names: list[str], load_names: list[str]
+) -> None:
     """The saves, interleaved; then the loads of the kept checkpoints per layout; the GET probes."""
     keep: dict[str, str] = {}
     for rep, name in interleave(save_names, args.repeats):
         url = f"s3://{bucket}/{name}_r{rep}"
-        if name in keep:  # this contender's previous checkpoint goes first: the store holds at most 3
+        if (
+            name in keep
+        ):  # this contender's previous checkpoint goes first: the store holds at most 3
             runner.remove(keep.pop(name))
         rec = runner.measure(name, repeat=rep, phase="save", url=url)
         if name in ("ours", "pt_fsspec") and rec.get("ok") and rec.get("verified") is not False:
@@ -856,7 +1168,11 @@ def _schedule(runner: S3Runner, args, spec, bucket: str, save_names: list[str], 
                 rec = runner.measure(writer, repeat=-1, phase="prepare", url=url)
                 if rec.get("ok"):
                     keep[writer] = url
-        layouts = ["col"] if args.load_layouts == "auto" else [x.strip() for x in args.load_layouts.split(",")]
+        layouts = (
+            ["col"]
+            if args.load_layouts == "auto"
+            else [x.strip() for x in args.load_layouts.split(",")]
+        )
         done: list[str] = []
         while layouts:
             layout = layouts.pop(0)
@@ -866,7 +1182,11 @@ def _schedule(runner: S3Runner, args, spec, bucket: str, save_names: list[str], 
                 if name in stopped or src[name] not in keep:
                     continue
                 rec = runner.measure(
-                    name, repeat=rep, phase="load", url=keep[src[name]], layout=layout,
+                    name,
+                    repeat=rep,
+                    phase="load",
+                    url=keep[src[name]],
+                    layout=layout,
                     call_timeout=args.col_timeout if layout == "col" else None,
                 )
                 if rec.get("timed_out"):
@@ -875,13 +1195,24 @@ def _schedule(runner: S3Runner, args, spec, bucket: str, save_names: list[str], 
                         probe = runner.probe_gets(keep["ours"])
                         if probe:
                             n = col_get_count(spec, args.ranks)
-                            probe.update(phase="probe", col_gets_per_rank=n, world=args.ranks,
-                                         col_eta_s=n * args.ranks * probe["get_4k_s_median"])
+                            probe.update(
+                                phase="probe",
+                                col_gets_per_rank=n,
+                                world=args.ranks,
+                                col_eta_s=n * args.ranks * probe["get_4k_s_median"],
+                            )
                             runner.emit(probe)
-            if stopped and args.load_layouts == "auto" and "row" not in done and "row" not in layouts:
+            if (
+                stopped
+                and args.load_layouts == "auto"
+                and "row" not in done
+                and "row" not in layouts
+            ):
                 layouts.append("row")
     if "ours" in keep and not any(r.get("phase") == "probe" for r in runner.records):
-        probe = runner.probe_gets(keep["ours"])  # what one small and one slab-sized GET cost on this store
+        probe = runner.probe_gets(
+            keep["ours"]
+        )  # what one small and one slab-sized GET cost on this store
         if probe:
             runner.emit({**probe, "phase": "probe"})
 
@@ -893,7 +1224,7 @@ def _write_md(path: str, env: dict, table: str, jsonl: Path, elapsed: float) -> 
         title = "moto S3 on loopback"
         versions = f"moto {env['moto']}"
         machine = (
-            f"moto server (ThreadedMotoServer, 127.0.0.1, own process, objects spilled to "
+            "moto server (ThreadedMotoServer, 127.0.0.1, own process, objects spilled to "
             f"`{env['moto_tmp'].rsplit('/', 1)[0]}`) shares the {env['cpus']} cores with the ranks"
         )
     else:
@@ -901,24 +1232,44 @@ def _write_md(path: str, env: dict, table: str, jsonl: Path, elapsed: float) -> 
         versions = env.get("ceph", "ceph ?")
         ms = env.get("memstore_device_bytes")
         machine = (
-            f"one-node Ceph cluster from `scripts/radosgw.sh` (ceph-mon, one memstore OSD"
-            f"{f' of {ms / (1 << 30):.0f} GiB' if ms else ''} keeping objects in RAM, radosgw with the beast frontend; "
-            f"127.0.0.1, no auth, pool size 1) shares the {env['cpus']} cores with the ranks"
+            "one-node Ceph cluster from `scripts/setup/radosgw.sh` (ceph-mon, one memstore "
+            f"OSD{f' of {ms / (1 << 30):.0f} GiB' if ms else ''} keeping objects in RAM, radosgw "
+            f"with the beast frontend; 127.0.0.1, no auth, pool size 1) shares the {env['cpus']} "
+            "cores with the ranks"
         )
     head = [
-        f"# bench_s3: {env['size_mib']} MiB bf16, {env['args']['ranks']} ranks, {title}, {env['cpus']} CPUs",
+        (
+            f"# bench_s3: {env['size_mib']} MiB bf16, {env['args']['ranks']} ranks, {title}, "
+            f"{env['cpus']} CPUs"
+        ),
         "",
-        f"- date {env['date']}; python {env['python']}, torch {env['torch']}, s3fs {env['s3fs']} (fsspec {env['fsspec']}, "
-        f"aiobotocore {env['aiobotocore']}, botocore {env['botocore']}), {versions}, safetensors {env['safetensors']}, "
-        f"hf_dcp_storage {env['hf_dcp_storage']} (git {env['git']})",
+        (
+            f"- date {env['date']}; python {env['python']}, torch {env['torch']}, s3fs "
+            f"{env['s3fs']} (fsspec {env['fsspec']}, aiobotocore {env['aiobotocore']}, botocore "
+            f"{env['botocore']}), {versions}, safetensors {env['safetensors']}, hf_dcp_storage "
+            f"{env['hf_dcp_storage']} (git {env['git']})"
+        ),
         f"- machine: {env['cpus']} × {env['cpu_model']}, {env['mem_gib']} GiB RAM; {machine}",
-        f"- model: llama-7B widths (hidden {d['hidden']}, intermediate {d['inter']}, MHA {d['heads']} heads), vocab {d['vocab']}, "
-        f"{d['layers']} layer(s) -> {env['tensors']} tensors, {env['size_bytes']} bytes; saved as Shard(0) DTensors",
-        f"- s3fs storage options: {json.dumps(env['storage_options'])}; default_block_size "
-        f"{'not set: s3fs default ' if not env['args']['block_size_mb'] else ''}{bs // MiB if bs else '?'} MiB",
-        f"- thread_count {env['cfg']['threads'] or 'library defaults (ours 4, FsspecWriter 1)'}, torch threads per rank "
-        f"{env['cfg']['torch_threads']}, warmup {env['cfg']['warmup']}, repeats {env['args']['repeats']}",
-        f"- command: `python benchmarks/bench_s3.py {' '.join(env['argv'])}`; full run {elapsed / 60:.1f} min",
+        (
+            f"- model: llama-7B widths (hidden {d['hidden']}, intermediate {d['inter']}, MHA "
+            f"{d['heads']} heads), vocab {d['vocab']}, {d['layers']} layer(s) -> {env['tensors']} "
+            f"tensors, {env['size_bytes']} bytes; saved as Shard(0) DTensors"
+        ),
+        (
+            f"- s3fs storage options: {json.dumps(env['storage_options'])}; default_block_size "
+            f"{'not set: s3fs default ' if not env['args']['block_size_mb'] else ''}"
+            f"{bs // MiB if bs else '?'} MiB"
+        ),
+        (
+            "- thread_count "
+            f"{env['cfg']['threads'] or 'library defaults (ours 4, FsspecWriter 1)'}, torch "
+            f"threads per rank {env['cfg']['torch_threads']}, warmup {env['cfg']['warmup']}, "
+            f"repeats {env['args']['repeats']}"
+        ),
+        (
+            f"- command: `python -m benchmarks.bench_s3 {' '.join(env['argv'])}`; full run "
+            f"{elapsed / 60:.1f} min"
+        ),
         "",
     ]
     write_report(path, "\n".join(head) + "\n" + table, jsonl.read_text() if jsonl.exists() else "")

@@ -25,9 +25,9 @@ Load contenders (into a freshly allocated Shard(0) DTensor state dict; all read 
   e  ours_load    HFStorageReader
   f  pt_hf_load   torch HuggingFaceStorageReader
   g  st_load_file safetensors.torch.load_file of every file, one process, whole model (reference).
-                  Its default backend maps the file lazily (returns in ~1 ms without reading a byte),
-                  so the timed region also touches one byte per 4 KiB page of every tensor: the data
-                  is then really in memory (as shared page-cache pages, no copy).
+                  Its default backend maps the file lazily (returns in ~1 ms without reading a
+                  byte), so the timed region also touches one byte per 4 KiB page of every tensor:
+                  the data is then really in memory (as shared page-cache pages, no copy).
   h  st_load_file_pread  the same with load_file(..., backend="pread"): copies into process memory,
                   which is what the DCP readers do (into their destination tensors).
   k  ours_load_direct  HFStorageReader(direct_io=True): O_DIRECT reads into aligned buffers
@@ -45,7 +45,7 @@ the end, max over ranks. Memory: the parent samples VmRSS/RssAnon/RssFile of eve
 own reading just before the call; the fresh process's ru_maxrss growth is recorded as a check.
 
 Every measurement prints one JSON line; a markdown summary follows at the end.
-Run ``python benchmarks/bench_save_load.py --help`` for the flags.
+Run ``python -m benchmarks.bench_save_load --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -61,18 +61,52 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-from _harness import (
-    DATA_ROOT, GiB, MiB, CallWindow, Runner, dtensor_state_dict, env_record, gather_results, init_dist, interleave, make_shard, make_work_dir,
-    max_over, median, model_dims, model_spec, paired_ratios, remove_work_dir, run_ranks, run_single, same_bits, select, timed_call, total_bytes,
+from benchmarks._harness import (
+    DATA_ROOT,
+    CallWindow,
+    GiB,
+    MiB,
+    Runner,
+    dtensor_state_dict,
+    env_record,
+    gather_results,
+    init_dist,
+    interleave,
+    make_shard,
+    make_work_dir,
+    max_over,
+    median,
+    model_dims,
+    model_spec,
+    paired_ratios,
+    remove_work_dir,
+    run_ranks,
+    run_single,
+    same_bits,
+    select,
+    timed_call,
+    total_bytes,
     write_report,
 )
 
-SAVE = {"a": "ours", "b": "pt_hf", "c": "pt_fs", "d": "plain", "i": "ours_buffered", "j": "odirect", "m": "ours_baseline"}
+SAVE = {
+    "a": "ours",
+    "b": "pt_hf",
+    "c": "pt_fs",
+    "d": "plain",
+    "i": "ours_buffered",
+    "j": "odirect",
+    "m": "ours_baseline",
+}
 CAST_OK = ("ours", "ours_buffered", "odirect", "ours_baseline")  # the savers --cast applies to
-LOAD = {"e": "ours_load", "f": "pt_hf_load", "g": "st_load_file", "h": "st_load_file_pread", "k": "ours_load_direct", "l": "odirect_read"}
+LOAD = {
+    "e": "ours_load",
+    "f": "pt_hf_load",
+    "g": "st_load_file",
+    "h": "st_load_file_pread",
+    "k": "ours_load_direct",
+    "l": "odirect_read",
+}
 RAW_BLOCK = 16 << 20  # the raw O_DIRECT contenders' one aligned buffer
 SINGLE = ("st_load_file", "st_load_file_pread")
 ALL = {**SAVE, **LOAD}
@@ -156,16 +190,27 @@ def _save_call(name: str, sd, out: str, rank: int, cfg: dict):
         kw = {} if cfg["threads"] is None else {"thread_count": cfg["threads"]}
         kw["direct_io"] = False if name == "ours_buffered" else None
         planner = HFSavePlanner(save_dtype=torch.bfloat16) if cfg["cast"] else None
-        return lambda: dcp.save(sd, storage_writer=HFStorageWriter(out, max_shard_size=cfg["max_shard_size"], **kw), planner=planner)
+        return lambda: dcp.save(
+            sd,
+            storage_writer=HFStorageWriter(out, max_shard_size=cfg["max_shard_size"], **kw),
+            planner=planner,
+        )
     if name == "odirect":
         os.makedirs(out, exist_ok=True)
         return lambda: _odirect_write(sd, os.path.join(out, f"rank{rank:05d}.bin"))
     if name == "pt_hf":
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-        kw = {} if cfg["threads"] is None else {"thread_count": cfg["threads"], "thread_count_consolidation": cfg["threads"]}
+        kw = (
+            {}
+            if cfg["threads"] is None
+            else {"thread_count": cfg["threads"], "thread_count_consolidation": cfg["threads"]}
+        )
         return lambda: dcp.save(
-            sd, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True, enable_consolidation=True, **kw)
+            sd,
+            storage_writer=HuggingFaceStorageWriter(
+                out, save_distributed=True, enable_consolidation=True, **kw
+            ),
         )
     if name == "pt_fs":
         from torch.distributed.checkpoint import FileSystemWriter
@@ -213,14 +258,23 @@ def _warmup(name: str, mesh, rank: int, world: int, scratch: str, cfg: dict) -> 
     if name == "odirect_read":
         return  # reads a file of its own; nothing to warm (O_DIRECT bypasses the cache)
     if name in SAVE.values():
-        sd = _savers_state_dict(dtensor_state_dict([(k, (world * r, c)) for k, (r, c) in WARM_SAVE], mesh, rank, world, fill="data"), cfg)
+        sd = _savers_state_dict(
+            dtensor_state_dict(
+                [(k, (world * r, c)) for k, (r, c) in WARM_SAVE], mesh, rank, world, fill="data"
+            ),
+            cfg,
+        )
         _save_call(name, sd, scratch, rank, cfg)()
     else:
         # Load the tiny checkpoint written by our writer (both readers read it).
-        from hf_dcp_storage import HFStorageWriter
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(dtensor_state_dict(spec, mesh, rank, world, fill="data"), storage_writer=HFStorageWriter(scratch))
+        from hf_dcp_storage import HFStorageWriter
+
+        dcp.save(
+            dtensor_state_dict(spec, mesh, rank, world, fill="data"),
+            storage_writer=HFStorageWriter(scratch),
+        )
         _load_call(name, dtensor_state_dict(spec, mesh, rank, world, fill="zeros"), scratch, cfg)()
 
 
@@ -230,14 +284,26 @@ def _savers_state_dict(sd: dict, cfg: dict) -> dict:
         return sd
     from torch.distributed.tensor import DTensor
 
-    return {k: DTensor.from_local(v.to_local().float(), v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()) for k, v in sd.items()}
+    return {
+        k: DTensor.from_local(
+            v.to_local().float(),
+            v.device_mesh,
+            v.placements,
+            run_check=False,
+            shape=v.shape,
+            stride=v.stride(),
+        )
+        for k, v in sd.items()
+    }
 
 
 def rank_main(rank: int, world: int, job: dict) -> None:
     """One rank of one measurement (spawned fresh)."""
     torch.set_num_threads(job["cfg"]["torch_threads"])
     if job["name"] == "ours_baseline":
-        sys.path.insert(0, job["cfg"]["baseline"])  # before anything here imports hf_dcp_storage
+        # Deliberate, and the one path insert left: the library of another checkout (--baseline
+        # DIR), ahead of this one, before anything here imports hf_dcp_storage.
+        sys.path.insert(0, job["cfg"]["baseline"])
     dist, mesh = init_dist(rank, world, job["rdzv"])
     name, cfg = job["name"], job["cfg"]
     spec = [(k, tuple(s)) for k, s in job["spec"]]
@@ -252,7 +318,11 @@ def rank_main(rank: int, world: int, job: dict) -> None:
     sd = dtensor_state_dict(spec, mesh, rank, world, fill="data" if is_save else "zeros")
     if is_save:
         sd = _savers_state_dict(sd, cfg)
-    call = _save_call(name, sd, job["out"], rank, cfg) if is_save else _load_call(name, sd, job["src"], cfg)
+    call = (
+        _save_call(name, sd, job["out"], rank, cfg)
+        if is_save
+        else _load_call(name, sd, job["src"], cfg)
+    )
     timed = timed_call(dist, call)
 
     extra = {}
@@ -279,7 +349,8 @@ def rank_main(rank: int, world: int, job: dict) -> None:
 
 
 def _touch_pages(t: torch.Tensor) -> int:
-    """Fault in every 4 KiB page of a (possibly lazily mmapped) tensor by reading one byte per page."""
+    """Fault in every 4 KiB page of a (possibly lazily mmapped) tensor by reading one byte per
+    page."""
     u = t.reshape(-1).view(torch.uint8)
     if u.numel() == 0:
         return 0
@@ -287,7 +358,8 @@ def _touch_pages(t: torch.Tensor) -> int:
 
 
 def single_main(job: dict) -> None:
-    """Contenders g/h: safetensors.torch.load_file of the whole consolidated model in one process."""
+    """Contenders g/h: safetensors.torch.load_file of the whole consolidated model in one
+    process."""
     from safetensors.torch import load_file
 
     torch.set_num_threads(job["cfg"]["torch_threads_single"])
@@ -325,20 +397,29 @@ def single_main(job: dict) -> None:
         t1 = time.perf_counter()
         world = job["world"]
         bad = []
-        for k, s in job["spec"]:
-            s = tuple(s)
-            full = torch.cat([make_shard(k, s, r, world) for r in range(world)]) if len(s) else make_shard(k, s, 0, 1)
+        for k, shape in job["spec"]:
+            s = tuple(shape)
+            full = (
+                torch.cat([make_shard(k, s, r, world) for r in range(world)])
+                if len(s)
+                else make_shard(k, s, 0, 1)
+            )
             if k not in out or not same_bits(out[k], full):
                 bad.append(k)
             out.pop(k, None)
         extra_keys = sorted(out)
-        rec.update(verify_bad=(bad + extra_keys)[:5], verify_n_bad=len(bad) + len(extra_keys), verify_s=time.perf_counter() - t1)
+        rec.update(
+            verify_bad=(bad + extra_keys)[:5],
+            verify_n_bad=len(bad) + len(extra_keys),
+            verify_s=time.perf_counter() - t1,
+        )
     with open(job["result"], "w") as f:
         json.dump([rec], f)
 
 
 def verify_consolidated_main(job: dict) -> None:
-    """After the saves: the consolidated output opens with plain safetensors and holds the originals."""
+    """After the saves: the consolidated output opens with plain safetensors and holds the
+    originals."""
     from safetensors import safe_open
 
     src, world = job["src"], job["world"]
@@ -351,7 +432,10 @@ def verify_consolidated_main(job: dict) -> None:
     res["expected_total_size"] = total_bytes(spec)
     keys = [k for k, _ in spec]
     if not job["full"]:  # a few tensors: first, a norm, middle, last layer, final norm, lm_head
-        keys = sorted({keys[0], keys[1], keys[2], keys[len(keys) // 2], keys[-3], keys[-2], keys[-1]}, key=keys.index)
+        keys = sorted(
+            {keys[0], keys[1], keys[2], keys[len(keys) // 2], keys[-3], keys[-2], keys[-1]},
+            key=keys.index,
+        )
     shapes = dict(spec)
     bad, handles = [], {}
     try:
@@ -419,21 +503,36 @@ class SaveLoadRunner(Runner):
         self.args, self.spec, self.cfg = args, spec, cfg
 
     def _job(self, name: str, **kw) -> dict:
-        job = self.job(name, cfg=self.cfg, spec=self.spec, world=self.args.ranks, verify=kw.pop("verify", False), **kw)
+        job = self.job(
+            name,
+            cfg=self.cfg,
+            spec=self.spec,
+            world=self.args.ranks,
+            verify=kw.pop("verify", False),
+            **kw,
+        )
         job["scratch"] = str(self.work / f"warmup_{job['tag']}")
         return job
 
     def measure(self, name: str, *, repeat: int, phase: str, cache: str | None, **kw) -> dict:
         job = self._job(name, **kw)
-        rec = {"phase": phase, "contender": name, "repeat": repeat, "cache": cache, "ranks": self.args.ranks,
-               "size_bytes": self.cfg["size_bytes"]}
+        rec = {
+            "phase": phase,
+            "contender": name,
+            "repeat": repeat,
+            "cache": cache,
+            "ranks": self.args.ranks,
+            "size_bytes": self.cfg["size_bytes"],
+        }
         t0 = time.time()
         try:
             if name in SINGLE:
                 per_rank = run_single(single_main, job, sample_ms=self.cfg["sample_ms"])
             else:
-                per_rank = run_ranks(rank_main, job, self.args.ranks, sample_ms=self.cfg["sample_ms"])
-        except Exception as exc:  # a failing contender is reported, the rest still run
+                per_rank = run_ranks(
+                    rank_main, job, self.args.ranks, sample_ms=self.cfg["sample_ms"]
+                )
+        except Exception as exc:  # noqa: BLE001 - a failing contender is reported, the rest still run
             rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             self.emit(rec)
             return rec
@@ -445,7 +544,10 @@ class SaveLoadRunner(Runner):
             time_s=max_over(per_rank, "wall_s"),
             call_s=max_over(per_rank, "call_s"),
             gbps=self.cfg["size_bytes"] / max_over(per_rank, "wall_s") / 1e9,
-            **{k: max_over(per_rank, k) for k in ("rss_extra_mib", "anon_extra_mib", "file_extra_mib", "maxrss_delta_mib")},
+            **{
+                k: max_over(per_rank, k)
+                for k in ("rss_extra_mib", "anon_extra_mib", "file_extra_mib", "maxrss_delta_mib")
+            },
             per_rank=per_rank,
             process_s=round(time.time() - t0, 2),
         )
@@ -465,7 +567,7 @@ class SaveLoadRunner(Runner):
         job = self._job("verify", src=src, full=full)
         try:
             res = run_single(verify_consolidated_main, job, sample_ms=0)[0]
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing run is reported, the rest still run
             res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
             self.discard(job)
@@ -493,7 +595,7 @@ def summarize(records: list[dict], cfg: dict) -> str:
             out.append("")
 
             def paired(n, x):
-                return median(paired_ratios(sub, n, x))
+                return median(paired_ratios(sub, n, x))  # noqa: B023 - called within the iteration
 
             out.append(
                 "| contender | median s | runs s (repeat 0,1,..) | GB/s | "
@@ -506,15 +608,22 @@ def summarize(records: list[dict], cfg: dict) -> str:
                 rs = [r for r in sub if r["contender"] == n]
                 m = med[n]
                 ratios = "".join(f"{m / med[x]:.2f} / {paired(n, x):.2f} | " for x in refs_here)
-                runs = ", ".join(f"{r['time_s']:.2f}" for r in sorted(rs, key=lambda r: r["repeat"]))
+                runs = ", ".join(
+                    f"{r['time_s']:.2f}" for r in sorted(rs, key=lambda r: r["repeat"])
+                )
                 last = (
                     f"{max(r.get('sync_after_s', 0) for r in rs):.2f}"
                     if label == "save"
-                    else ("yes" if all(r.get("verified") for r in rs) else ("NO" if any(r.get("verified") is False for r in rs) else "-"))
+                    else (
+                        "yes"
+                        if all(r.get("verified") for r in rs)
+                        else ("NO" if any(r.get("verified") is False for r in rs) else "-")
+                    )
                 )
                 out.append(
-                    f"| {n} | {m:.2f} | {runs} | {cfg['size_bytes'] / m / 1e9:.2f} | {ratios}"
-                    f"{max(r['rss_extra_mib'] for r in rs):.0f} | {max(r['anon_extra_mib'] for r in rs):.0f} | "
+                    f"| {n} | {m:.2f} | {runs} | {cfg['size_bytes'] / m / 1e9:.2f} | "
+                    f"{ratios}{max(r['rss_extra_mib'] for r in rs):.0f} | "
+                    f"{max(r['anon_extra_mib'] for r in rs):.0f} | "
                     f"{max(r['maxrss_delta_mib'] for r in rs):.0f} | {last} |"
                 )
             out.append("")
@@ -530,11 +639,15 @@ def summarize(records: list[dict], cfg: dict) -> str:
             f"- saved output `{v.get('dir')}` read back with `safetensors.safe_open`: "
             f"{'OK' if v.get('ok') else 'FAILED'} ({v.get('checked')} tensors compared bit-exact, "
             f"{v.get('keys_in_index')}/{v.get('keys_expected')} keys in index, total_size "
-            f"{v.get('index_total_size')} vs {v.get('expected_total_size')}){' bad: ' + str(v.get('bad')) if v.get('bad') else ''}"
+            f"{v.get('index_total_size')} vs "
+            f"{v.get('expected_total_size')}){' bad: ' + str(v.get('bad')) if v.get('bad') else ''}"
             + (f" error: {v.get('error')}" if v.get("error") else "")
         )
     for r in failed:
-        lines.append(f"- FAILED: {r.get('phase')} {r.get('contender')} repeat {r.get('repeat')}: {r.get('error')}")
+        lines.append(
+            f"- FAILED: {r.get('phase')} {r.get('contender')} repeat {r.get('repeat')}: "
+            f"{r.get('error')}"
+        )
     targets = []
 
     def paired_all(rows, n, x):
@@ -545,15 +658,18 @@ def summarize(records: list[dict], cfg: dict) -> str:
         q = smed["ours"] / smed[SAVE_FLOOR]
         qp = paired_all(saves, "ours", SAVE_FLOOR)
         targets.append(
-            f"- save: ours / plain write+fsync = {q:.2f} as a ratio of medians, {qp:.2f} as the median of "
-            f"per-repeat ratios (target ≤ 1.15): {'met' if q <= 1.15 else 'MISSED'}"
+            f"- save: ours / plain write+fsync = {q:.2f} as a ratio of medians, {qp:.2f} as the "
+            f"median of per-repeat ratios (target ≤ 1.15): {'met' if q <= 1.15 else 'MISSED'}"
         )
     if smed.get("ours") and smed.get("odirect"):
         q = smed["ours"] / smed["odirect"]
-        slow = max(r["time_s"] for r in saves if r["contender"] == "ours") / max(r["time_s"] for r in saves if r["contender"] == "odirect")
+        slow = max(r["time_s"] for r in saves if r["contender"] == "ours") / max(
+            r["time_s"] for r in saves if r["contender"] == "odirect"
+        )
         targets.append(
-            f"- save: ours / raw O_DIRECT write = {q:.2f} as a ratio of medians (target ≤ 1.05): {'met' if q <= 1.05 else 'MISSED'}; "
-            f"slowest repeats {slow:.2f} (target ≤ 1.2): {'met' if slow <= 1.2 else 'MISSED'}"
+            f"- save: ours / raw O_DIRECT write = {q:.2f} as a ratio of medians (target ≤ 1.05): "
+            f"{'met' if q <= 1.05 else 'MISSED'}; slowest repeats {slow:.2f} (target ≤ 1.2): "
+            f"{'met' if slow <= 1.2 else 'MISSED'}"
         )
     for cache in sorted({r["cache"] for r in loads}):
         sub = [r for r in loads if r["cache"] == cache]
@@ -561,11 +677,22 @@ def summarize(records: list[dict], cfg: dict) -> str:
         for name in ("ours_load", "ours_load_direct"):
             a = median([r["time_s"] for r in sub if r["contender"] == name])
             if a and raw:
-                targets.append(f"- load ({cache} cache): {name} / raw O_DIRECT read = {a / raw:.2f} as a ratio of medians (target ≤ 1.1 cold): {'met' if a / raw <= 1.1 else 'MISSED'}")
-    ours_rss = [r["rss_extra_mib"] for r in saves + loads if r["contender"] in ("ours", "ours_buffered", "ours_load", "ours_load_direct")]
+                targets.append(
+                    f"- load ({cache} cache): {name} / raw O_DIRECT read = {a / raw:.2f} as a "
+                    "ratio of medians (target ≤ 1.1 cold): "
+                    f"{'met' if a / raw <= 1.1 else 'MISSED'}"
+                )
+    ours_rss = [
+        r["rss_extra_mib"]
+        for r in saves + loads
+        if r["contender"] in ("ours", "ours_buffered", "ours_load", "ours_load_direct")
+    ]
     if ours_rss:
         m = max(ours_rss)
-        targets.append(f"- extra peak RSS per rank, ours (save and load, max) = {m:.0f} MiB (target ≤ 128): {'met' if m <= 128 else 'MISSED'}")
+        targets.append(
+            f"- extra peak RSS per rank, ours (save and load, max) = {m:.0f} MiB (target ≤ 128): "
+            f"{'met' if m <= 128 else 'MISSED'}"
+        )
     for cache in sorted({r["cache"] for r in loads}):
         sub = [r for r in loads if r["cache"] == cache]
         a = median([r["time_s"] for r in sub if r["contender"] == "ours_load"])
@@ -575,39 +702,84 @@ def summarize(records: list[dict], cfg: dict) -> str:
                 q = a / b
                 qp = paired_all(sub, "ours_load", ref)
                 targets.append(
-                    f"- load ({cache} cache): ours / {ref} = {q:.2f} as a ratio of medians, {qp:.2f} paired "
-                    f"(target ≤ 1.2): {'met' if q <= 1.2 else 'MISSED'}"
+                    f"- load ({cache} cache): ours / {ref} = {q:.2f} as a ratio of medians, "
+                    f"{qp:.2f} paired (target ≤ 1.2): {'met' if q <= 1.2 else 'MISSED'}"
                 )
     if targets:
-        lines += ["", "Targets:", ""] + targets
+        lines += ["", "Targets:", "", *targets]
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-gb", type=float, default=1.75, help="state dict size in GiB (default 1.75)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--size-gb", type=float, default=1.75, help="state dict size in GiB (default 1.75)"
+    )
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per contender (default 3)")
-    p.add_argument("--dir", default=None, help=f"work folder (default: a new temp dir under {DATA_ROOT})")
     p.add_argument(
-        "--only", default=None,
-        help="comma list of contenders to run, by letter or name: " + ", ".join(f"{k}={v}" for k, v in ALL.items()),
+        "--dir", default=None, help=f"work folder (default: a new temp dir under {DATA_ROOT})"
     )
-    p.add_argument("--cache", choices=["cold", "warm", "both"], default="both",
-                   help="page cache state for loads (cold needs a writable /proc/sys/vm/drop_caches; default both)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="thread_count passed to every storage that has one (default: each library's own default)")
-    p.add_argument("--cast", action="store_true", help="save a float32 state dict as bfloat16 (a, i, j, m only; see above)")
-    p.add_argument("--baseline", default=None, help="contender m's library: the root of a checkout of another revision")
-    p.add_argument("--max-shard-size", default="5GB", help="HFStorageWriter max_shard_size (default 5GB)")
-    p.add_argument("--sample-ms", type=float, default=5.0,
-                   help="RSS sampling period in ms; 0 turns the sampling thread off (ru_maxrss only)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up save/load before each measurement")
-    p.add_argument("--no-prime", action="store_true",
-                   help="skip the throwaway plain write that precedes the timed saves")
-    p.add_argument("--full-verify", action="store_true", help="compare every saved tensor, not a few")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: delete the work folder)")
-    p.add_argument("--md-out", default=None, help="also write the markdown table and JSON lines to this file")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma list of contenders to run, by letter or name: "
+        + ", ".join(f"{k}={v}" for k, v in ALL.items()),
+    )
+    p.add_argument(
+        "--cache",
+        choices=["cold", "warm", "both"],
+        default="both",
+        help="page cache state for loads (cold needs a writable /proc/sys/vm/drop_caches; default "
+        "both)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="thread_count passed to every storage that has one (default: each library's own "
+        "default)",
+    )
+    p.add_argument(
+        "--cast",
+        action="store_true",
+        help="save a float32 state dict as bfloat16 (a, i, j, m only; see above)",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="contender m's library: the root of a checkout of another revision",
+    )
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="HFStorageWriter max_shard_size (default 5GB)"
+    )
+    p.add_argument(
+        "--sample-ms",
+        type=float,
+        default=5.0,
+        help="RSS sampling period in ms; 0 turns the sampling thread off (ru_maxrss only)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed warm-up save/load before each measurement",
+    )
+    p.add_argument(
+        "--no-prime",
+        action="store_true",
+        help="skip the throwaway plain write that precedes the timed saves",
+    )
+    p.add_argument(
+        "--full-verify", action="store_true", help="compare every saved tensor, not a few"
+    )
+    p.add_argument(
+        "--keep", action="store_true", help="keep the checkpoints (default: delete the work folder)"
+    )
+    p.add_argument(
+        "--md-out", default=None, help="also write the markdown table and JSON lines to this file"
+    )
     return p.parse_args(argv)
 
 
@@ -618,18 +790,30 @@ def main(argv=None) -> int:
     save_names = [n for n in SAVE.values() if n in selected]
     load_names = [n for n in LOAD.values() if n in selected]
     if args.cast and set(save_names) - set(CAST_OK):
-        raise SystemExit(f"--cast applies to {', '.join(CAST_OK)}; not to {', '.join(sorted(set(save_names) - set(CAST_OK)))}")
+        raise SystemExit(
+            f"--cast applies to {', '.join(CAST_OK)}; not to "
+            f"{', '.join(sorted(set(save_names) - set(CAST_OK)))}"
+        )
     if ("ours_baseline" in save_names) != (args.baseline is not None):
         raise SystemExit("contender m (ours_baseline) and --baseline DIR go together")
-    if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "hf_dcp_storage", "__init__.py")):
-        raise SystemExit(f"--baseline {args.baseline}: no hf_dcp_storage package there (give the root of a checkout)")
+    if args.baseline is not None and not os.path.isfile(
+        os.path.join(args.baseline, "hf_dcp_storage", "__init__.py")
+    ):
+        raise SystemExit(
+            f"--baseline {args.baseline}: no hf_dcp_storage package there (give the root of a "
+            "checkout)"
+        )
 
     d = model_dims(args.size_gb)
     spec = model_spec(d)
     size = total_bytes(spec)
     bad_dims = [k for k, s in spec if s[0] % args.ranks]
     if bad_dims:
-        print(f"note: {len(bad_dims)} tensors have dim 0 not divisible by {args.ranks} ranks (uneven Shard(0))", file=sys.stderr)
+        print(
+            f"note: {len(bad_dims)} tensors have dim 0 not divisible by {args.ranks} ranks "
+            "(uneven Shard(0))",
+            file=sys.stderr,
+        )
     work = make_work_dir("bench_", args.dir)
     free = shutil.disk_usage(work).free
     need = size * 4  # ours + pt_hf (sharded + consolidated) + the one being measured
@@ -643,7 +827,10 @@ def main(argv=None) -> int:
             if can_drop:
                 caches.append("cold")
             else:
-                print("note: cannot write /proc/sys/vm/drop_caches; cold-cache loads skipped", file=sys.stderr)
+                print(
+                    "note: cannot write /proc/sys/vm/drop_caches; cold-cache loads skipped",
+                    file=sys.stderr,
+                )
         if args.cache in ("warm", "both") or not caches:
             caches.append("warm")
 
@@ -676,7 +863,8 @@ def main(argv=None) -> int:
         keep = {}  # contender -> output folder kept for the load phase / verification
         if save_names and not args.no_prime:
             # Untimed-in-the-table first write: on the VM disk this was measured on, the first write
-            # after the disk sat idle for a while runs at about half speed (see README).
+            # after the disk sat idle for a while runs at about half speed (see
+            # benchmarks/README.md, "Prime").
             out = str(work / "prime")
             os.sync()
             runner.measure(SAVE_FLOOR, repeat=-1, phase="prime", cache=None, out=out)
@@ -694,14 +882,19 @@ def main(argv=None) -> int:
         for name in ("ours", "pt_hf"):
             if name in keep:
                 runner.verify_output(keep[name], full=args.full_verify)
-        if "pt_hf" in keep:  # the consolidated copy is what a reader uses; the sharded one is a by-product
+        if (
+            "pt_hf" in keep
+        ):  # the consolidated copy is what a reader uses; the sharded one is a by-product
             shutil.rmtree(os.path.join(keep["pt_hf"], "sharded"), ignore_errors=True)
 
-        # ---- loads: all readers read the same consolidated files (ours, else pt_hf's, else a fresh save) ----
+        # ---- loads: all readers read the same consolidated files (ours, else pt_hf's, else a fresh
+        # save) ----
         if "odirect_read" in load_names:
             if "odirect" not in keep:
                 keep["odirect"] = str(work / "raw_src")
-                runner.measure("odirect", repeat=-1, phase="prepare", cache=None, out=keep["odirect"])
+                runner.measure(
+                    "odirect", repeat=-1, phase="prepare", cache=None, out=keep["odirect"]
+                )
             cfg["raw_src"] = keep["odirect"]
         if load_names:
             src = keep.get("ours") or keep.get("pt_hf")
@@ -717,14 +910,25 @@ def main(argv=None) -> int:
                         _drop_caches()
                     else:
                         _warm(src)
-                    runner.measure(name, repeat=rep, phase="load", cache=cache, src=src, verify=name != "odirect_read")
+                    runner.measure(
+                        name,
+                        repeat=rep,
+                        phase="load",
+                        cache=cache,
+                        src=src,
+                        verify=name != "odirect_read",
+                    )
     finally:
         runner.close()
         elapsed = time.time() - t_start
         table = summarize(runner.records, cfg)
         print()
         print(table)
-        where = f"{work / 'results.jsonl'}" if args.keep else ("in " + args.md_out if args.md_out else "printed above")
+        where = (
+            f"{work / 'results.jsonl'}"
+            if args.keep
+            else ("in " + args.md_out if args.md_out else "printed above")
+        )
         print(f"\nfull run: {elapsed / 60:.1f} min; raw JSON lines: {where}")
         if args.md_out:
             _write_md(args.md_out, env, table, work / "results.jsonl", elapsed)
@@ -736,16 +940,30 @@ def main(argv=None) -> int:
 def _write_md(path: str, env: dict, table: str, jsonl: Path, elapsed: float) -> None:
     d = env["dims"]
     head = [
-        f"# bench_save_load: {env['size_gib']} GiB bf16, {env['args']['ranks']} ranks, {env['cpus']} CPUs",
+        (
+            f"# bench_save_load: {env['size_gib']} GiB bf16, {env['args']['ranks']} ranks, "
+            f"{env['cpus']} CPUs"
+        ),
         "",
-        f"- date {env['date']}; python {env['python']}, torch {env['torch']}, safetensors {env['safetensors']}, "
-        f"hf_dcp_storage {env['hf_dcp_storage']} (git {env['git']})",
-        f"- model: llama-like, vocab {d['vocab']}, hidden {d['hidden']}, intermediate {d['inter']}, kv {d['kv']}, "
-        f"{d['layers']} layers -> {env['tensors']} tensors, {env['size_bytes']} bytes; every tensor a Shard(0) DTensor",
+        (
+            f"- date {env['date']}; python {env['python']}, torch {env['torch']}, safetensors "
+            f"{env['safetensors']}, hf_dcp_storage {env['hf_dcp_storage']} (git {env['git']})"
+        ),
+        (
+            f"- model: llama-like, vocab {d['vocab']}, hidden {d['hidden']}, intermediate "
+            f"{d['inter']}, kv {d['kv']}, {d['layers']} layers -> {env['tensors']} tensors, "
+            f"{env['size_bytes']} bytes; every tensor a Shard(0) DTensor"
+        ),
         f"- work dir {env['work_dir']} ({env['fs']}); drop_caches writable: {env['drop_caches']}",
-        f"- repeats {env['args']['repeats']}, thread_count {env['cfg']['threads'] or 'library defaults'}, "
-        f"torch threads per rank {env['cfg']['torch_threads']}, warmup {env['cfg']['warmup']}",
-        f"- command: `python benchmarks/bench_save_load.py {' '.join(sys.argv[1:])}`; full run {elapsed / 60:.1f} min",
+        (
+            f"- repeats {env['args']['repeats']}, thread_count "
+            f"{env['cfg']['threads'] or 'library defaults'}, torch threads per rank "
+            f"{env['cfg']['torch_threads']}, warmup {env['cfg']['warmup']}"
+        ),
+        (
+            f"- command: `python -m benchmarks.bench_save_load {' '.join(sys.argv[1:])}`; full "
+            f"run {elapsed / 60:.1f} min"
+        ),
         "",
     ]
     write_report(path, "\n".join(head) + "\n" + table, jsonl.read_text() if jsonl.exists() else "")

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""End-to-end demo: train with FSDP2 on 2 CPU ranks, save a Hugging Face checkpoint, reload it resharded.
+"""End-to-end demo: train with FSDP2 on 2 CPU ranks, save a Hugging Face checkpoint, reload it
+resharded.
 
 1. 2 ranks (gloo, CPU) build a tiny transformer language model, shard it with FSDP2
    ``fully_shard``, train a few AdamW steps on synthetic data and save the sharded state dict
@@ -23,18 +24,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -110,7 +112,8 @@ def build_model(world: int, seed: int) -> nn.Module:
 
 
 def synthetic_batch(seed: int) -> torch.Tensor:
-    """Arithmetic token sequences (random start, stride 1 or 2), so next-token loss falls quickly."""
+    """Arithmetic token sequences (random start, stride 1 or 2), so next-token loss falls
+    quickly."""
     gen = torch.Generator().manual_seed(seed)
     start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
     stride = torch.randint(1, 3, (BATCH, 1), generator=gen)
@@ -124,7 +127,8 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def eval_loss(model: nn.Module) -> float:
-    """Loss on one fixed batch (the same on every rank), to show the loaded model behaves the same."""
+    """Loss on one fixed batch (the same on every rank), to show the loaded model behaves the
+    same."""
     with torch.no_grad():
         return lm_loss(model, synthetic_batch(SEED + 10_000)).item()
 
@@ -209,20 +213,30 @@ def load_and_verify(job: Job) -> dict[str, Any]:
     load_s = timed(lambda: dcp.load(state, storage_reader=HFStorageReader(job.out_dir)))
     loaded = full_state(model)
     reference = torch.load(Path(job.work_dir) / REFERENCE_NAME, weights_only=True)
-    mismatched = sorted(k for k in reference if k not in loaded or not torch.equal(loaded[k], reference[k]))
+    mismatched = sorted(
+        k for k in reference if k not in loaded or not torch.equal(loaded[k], reference[k])
+    )
     mismatched += sorted(k for k in loaded if k not in reference)
     return {"load_s": load_s, "mismatched": mismatched, "eval_loss": eval_loss(model)}
 
 
-PHASES: dict[str, Callable[[Job], dict[str, Any]]] = {"train": train_and_save, "load": load_and_verify}
+PHASES: dict[str, Callable[[Job], dict[str, Any]]] = {
+    "train": train_and_save,
+    "load": load_and_verify,
+}
 
 
 def worker(rank: int, job: Job) -> None:
-    """Entry point of one spawned rank: join the gloo group, run the phase, rank 0 writes results."""
+    """Entry point of one spawned rank: join the gloo group, run the phase, rank 0 writes
+    results."""
     torch.set_num_threads(1)  # the ranks share a few cores
     rendezvous = Path(job.work_dir) / f"rendezvous-{job.phase}-{job.world}"
     dist.init_process_group(
-        "gloo", init_method=rendezvous.as_uri(), rank=rank, world_size=job.world, timeout=timedelta(minutes=5)
+        "gloo",
+        init_method=rendezvous.as_uri(),
+        rank=rank,
+        world_size=job.world,
+        timeout=timedelta(minutes=5),
     )
     try:
         result = PHASES[job.phase](job)
@@ -291,8 +305,10 @@ def resolve_out_dir(args: argparse.Namespace) -> tuple[Path, bool]:
     found = existing_checkpoint(out_dir) if out_dir.exists() else []
     if found and not args.overwrite:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        sys.exit(f"error: {out_dir} already holds a checkpoint ({shown}); "
-                 f"pass --overwrite to replace it, or choose another --out")
+        sys.exit(
+            f"error: {out_dir} already holds a checkpoint ({shown}); pass --overwrite to replace "
+            "it, or choose another --out"
+        )
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir, created
@@ -301,13 +317,23 @@ def resolve_out_dir(args: argparse.Namespace) -> tuple[Path, bool]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="checkpoint folder (default: a fresh folder under ./demo_output/)")
+    parser.add_argument(
+        "--out", help="checkpoint folder (default: a fresh folder under ./demo_output/)"
+    )
     parser.add_argument("--steps", type=int, default=8, help="training steps (default: 8)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a checkpoint already in --out"
+    )
     keep = parser.add_mutually_exclusive_group()
-    keep.add_argument("--keep", action="store_true", default=True, help="keep the checkpoint (the default)")
-    keep.add_argument("--clean", dest="keep", action="store_false",
-                      help="delete the output folder after a successful run, if this run created it")
+    keep.add_argument(
+        "--keep", action="store_true", default=True, help="keep the checkpoint (the default)"
+    )
+    keep.add_argument(
+        "--clean",
+        dest="keep",
+        action="store_false",
+        help="delete the output folder after a successful run, if this run created it",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -319,26 +345,41 @@ def rate(nbytes: int, seconds: float) -> str:
     return f"{seconds:.3f} s ({nbytes / MB / max(seconds, 1e-9):.1f} MB/s)"
 
 
-def report_loads(loads: dict[int, dict[str, Any]], trained_loss: float, total_size: int) -> list[str]:
+def report_loads(
+    loads: dict[int, dict[str, Any]], trained_loss: float, total_size: int
+) -> list[str]:
     """Print each reload's time and check; return the problems found."""
     problems = []
     for world, res in loads.items():
-        status = "all parameters equal" if not res["mismatched"] else f"{len(res['mismatched'])} MISMATCHED"
-        print(f"  load on {world} rank(s): {rate(total_size, res['load_s'])}, {status}, "
-              f"eval loss {res['eval_loss']:.6f}")
+        status = (
+            "all parameters equal"
+            if not res["mismatched"]
+            else f"{len(res['mismatched'])} MISMATCHED"
+        )
+        print(
+            f"  load on {world} rank(s): {rate(total_size, res['load_s'])}, {status}, eval loss "
+            f"{res['eval_loss']:.6f}"
+        )
         problems += [f"load on {world} rank(s): {k!r} differs" for k in res["mismatched"]]
         if abs(res["eval_loss"] - trained_loss) > 1e-4 * max(1.0, abs(trained_loss)):
-            problems.append(f"load on {world} rank(s): eval loss {res['eval_loss']} != {trained_loss}")
+            problems.append(
+                f"load on {world} rank(s): eval loss {res['eval_loss']} != {trained_loss}"
+            )
     return problems
 
 
 def run_demo(args: argparse.Namespace, out_dir: Path, work_dir: str) -> list[str]:
     """Train and save, check the files, reload on 1 and 3 ranks; return every problem found."""
-    print(f"[1/4] training {args.steps} steps on {TRAIN_WORLD} CPU ranks (FSDP2), then saving to {out_dir}")
+    print(
+        f"[1/4] training {args.steps} steps on {TRAIN_WORLD} CPU ranks (FSDP2), then saving to "
+        f"{out_dir}"
+    )
     trained = run_job(Job("train", TRAIN_WORLD, str(out_dir), work_dir, args.steps, args.overwrite))
     reference = torch.load(Path(work_dir) / REFERENCE_NAME, weights_only=True)
     params = sum(t.numel() for t in reference.values())
-    print(f"  {len(reference)} tensors, {params:,} parameters; eval loss {trained['eval_loss']:.6f}")
+    print(
+        f"  {len(reference)} tensors, {params:,} parameters; eval loss {trained['eval_loss']:.6f}"
+    )
     print("[2/4] checking the files with safetensors.torch.load_file")
     problems, total_size = check_files(out_dir, reference)
     print(f"  index total_size: {total_size:,} bytes ({total_size / MB:.2f} MB)")
@@ -346,13 +387,21 @@ def run_demo(args: argparse.Namespace, out_dir: Path, work_dir: str) -> list[str
     print(f"[3/4] reloading with HFStorageReader on {' and '.join(map(str, LOAD_WORLDS))} rank(s)")
     loads = {w: run_job(Job("load", w, str(out_dir), work_dir)) for w in LOAD_WORLDS}
     problems += report_loads(loads, trained["eval_loss"], total_size)
-    print(f"[4/4] hf-dcp verify {out_dir}  (the command line: structure and every recorded checksum)")
+    print(
+        f"[4/4] hf-dcp verify {out_dir}  (the command line: structure and every recorded checksum)"
+    )
     return problems + run_verify(out_dir)
 
 
 def run_verify(out_dir: Path) -> list[str]:
-    """``hf-dcp verify`` on the checkpoint, as a user would run it; its verdict is a problem if not 0."""
-    proc = subprocess.run([sys.executable, "-m", "hf_dcp_storage", "verify", str(out_dir)], capture_output=True, text=True)
+    """``hf-dcp verify`` on the checkpoint, as a user would run it; its verdict is a problem if not
+    0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_dcp_storage", "verify", str(out_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     print("\n".join(f"  {line}" for line in (proc.stdout + proc.stderr).strip().splitlines()))
     return [] if proc.returncode == 0 else [f"hf-dcp verify exited {proc.returncode}"]
 
@@ -365,20 +414,26 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hf_dcp_demo_") as work_dir:
         try:
             problems = run_demo(args, out_dir, work_dir)
-        except Exception as exc:  # a rank failed: mp.spawn re-raises with its traceback
+        except Exception as exc:  # noqa: BLE001 - a rank failed: mp.spawn re-raises with its traceback
             print(exc, file=sys.stderr)
             problems = [f"{type(exc).__name__}: a rank failed (its traceback is on stderr)"]
     elapsed = time.perf_counter() - start
     if problems:
         print("\n".join(f"  problem: {p}" for p in problems))
-        print(f"DEMO FAILED: {len(problems)} problem(s) after {elapsed:.1f} s; output left in {out_dir}")
+        print(
+            f"DEMO FAILED: {len(problems)} problem(s) after {elapsed:.1f} s; output left in "
+            f"{out_dir}"
+        )
         return 1
     if not args.keep and created:
         shutil.rmtree(out_dir)
         print(f"  removed {out_dir} (--clean)")
     else:
         print(f"  checkpoint kept in {out_dir}")
-    print(f"DEMO OK: trained, saved, verified with safetensors and hf-dcp, reloaded on 1 and 3 ranks in {elapsed:.1f} s")
+    print(
+        "DEMO OK: trained, saved, verified with safetensors and hf-dcp, reloaded on 1 and 3 "
+        f"ranks in {elapsed:.1f} s"
+    )
     return 0
 
 

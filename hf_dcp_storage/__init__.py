@@ -1,4 +1,5 @@
-"""Save and load torch.distributed.checkpoint state dicts as Hugging Face safetensors, on any fsspec store.
+"""Save and load torch.distributed.checkpoint state dicts as Hugging Face safetensors, on any
+fsspec store.
 
     import torch.distributed.checkpoint as dcp
     from hf_dcp_storage import HFStorageWriter, HFStorageReader
@@ -6,8 +7,9 @@
     dcp.save(state_dict, storage_writer=HFStorageWriter("s3://bucket/run/step_1000"))
     dcp.load(state_dict, storage_reader=HFStorageReader("s3://bucket/run/step_1000"))
 
-The command line ``hf-dcp`` (``tools/cli.py``) and the checkpoint tools behind it are exported here too.
-Names load on first use (PEP 562), so ``hf-dcp ls`` and ``prune`` start without importing torch.
+The command line ``hf-dcp`` (``tools/cli.py``) and the checkpoint tools behind it are exported
+here too. Names load on first use (PEP 562), so ``hf-dcp ls`` and ``prune`` start without
+importing torch.
 """
 
 from __future__ import annotations
@@ -34,19 +36,19 @@ _EXPORTS = {
     "prune_run": "steps.runs",
 }
 __all__ = [
-    "HFStorageWriter",
-    "HFStorageReader",
-    "HFSavePlanner",
-    "HFLoadPlanner",
-    "RetryPolicy",
     "CheckpointManager",
-    "inspect_checkpoint",
-    "verify_checkpoint",
+    "HFLoadPlanner",
+    "HFSavePlanner",
+    "HFStorageReader",
+    "HFStorageWriter",
+    "RetryPolicy",
     "consolidate_checkpoint",
     "convert_dcp_to_hf",
     "convert_hf_to_dcp",
+    "inspect_checkpoint",
     "list_steps",
     "prune_run",
+    "verify_checkpoint",
 ]
 
 if TYPE_CHECKING:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 
-__all__ = ["KeyMapping", "HFSavePlanner", "HFLoadPlanner"]
+__all__ = ["HFLoadPlanner", "HFSavePlanner", "KeyMapping"]
 
-KeyMapping = Union[Mapping[str, str], Callable[[str], str]]
+KeyMapping: TypeAlias = Mapping[str, str] | Callable[[str], str]
 
 
 def _mapper(key_mapping: KeyMapping | None) -> Callable[[str], str]:
@@ -25,7 +29,9 @@ def _mapper(key_mapping: KeyMapping | None) -> Callable[[str], str]:
         return lambda fqn: table.get(fqn, fqn)
     if callable(key_mapping):
         return key_mapping
-    raise ValueError(f"key_mapping must be a dict or a callable FQN -> HF key, got {type(key_mapping).__name__}")
+    raise ValueError(
+        f"key_mapping must be a dict or a callable FQN -> HF key, got {type(key_mapping).__name__}"
+    )
 
 
 def _map_keys(fqns: list[str], key_mapping: KeyMapping | None) -> dict[str, str]:
@@ -39,8 +45,9 @@ def _map_keys(fqns: list[str], key_mapping: KeyMapping | None) -> dict[str, str]
             raise ValueError(f"key_mapping maps {fqn!r} to {key!r}; it must return a non-empty str")
         if key in seen:
             raise ValueError(
-                f"key_mapping maps both {seen[key]!r} and {fqn!r} to {key!r}; each HF key must come "
-                f"from exactly one state-dict key. Fix the mapping (tied weights keep distinct names)."
+                f"key_mapping maps both {seen[key]!r} and {fqn!r} to {key!r}; each HF key must "
+                "come from exactly one state-dict key. Fix the mapping (tied weights keep "
+                "distinct names)."
             )
         seen[key] = fqn
         mapped[fqn] = key
@@ -61,16 +68,29 @@ class HFSavePlanner(DefaultSavePlanner):
         **kwargs: passed to :class:`DefaultSavePlanner`.
     """
 
-    def __init__(self, key_mapping: KeyMapping | None = None, save_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        key_mapping: KeyMapping | None = None,
+        save_dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         _mapper(key_mapping)  # validate the type up front
-        if save_dtype is not None and (not isinstance(save_dtype, torch.dtype) or not save_dtype.is_floating_point):
-            raise ValueError(f"save_dtype={save_dtype!r} must be a floating-point torch.dtype such as torch.bfloat16")
+        if save_dtype is not None and (
+            not isinstance(save_dtype, torch.dtype) or not save_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"save_dtype={save_dtype!r} must be a floating-point torch.dtype such as "
+                "torch.bfloat16"
+            )
         self.key_mapping = key_mapping
         self.save_dtype = save_dtype
 
     def set_up_planner(
-        self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
     ) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         # Renaming the flattened state dict keeps lookups (resolve_data) and plans consistent.
@@ -85,10 +105,16 @@ class HFSavePlanner(DefaultSavePlanner):
         items = []
         for item in plan.items:
             td = item.tensor_data
-            if td is not None and td.properties.dtype.is_floating_point and td.properties.dtype != self.save_dtype:
+            if (
+                td is not None
+                and td.properties.dtype.is_floating_point
+                and td.properties.dtype != self.save_dtype
+            ):
                 props = dataclasses.replace(td.properties, dtype=self.save_dtype)
-                item = dataclasses.replace(item, tensor_data=dataclasses.replace(td, properties=props))
-            items.append(item)
+                cast = dataclasses.replace(td, properties=props)
+                items.append(dataclasses.replace(item, tensor_data=cast))
+            else:
+                items.append(item)
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
@@ -100,7 +126,8 @@ class HFSavePlanner(DefaultSavePlanner):
                 if origin.setdefault(key, tuple(path)) != tuple(path):
                     raise ValueError(
                         f"key_mapping maps both {'.'.join(map(str, origin[key]))!r} and "
-                        f"{'.'.join(map(str, path))!r} (on different ranks) to {key!r}; fix the mapping"
+                        f"{'.'.join(map(str, path))!r} (on different ranks) to {key!r}; fix the "
+                        "mapping"
                     )
         return super().create_global_plan(all_plans)
 
@@ -128,27 +155,42 @@ class HFLoadPlanner(DefaultLoadPlanner):
         stored = self.metadata.state_dict_metadata
         missing = {fqn: key for fqn, key in mapped.items() if key not in stored}
         if missing and not self.allow_partial_load:
-            shown = ", ".join(f"{fqn!r}" + (f" (as {key!r})" if key != fqn else "") for fqn, key in list(missing.items())[:10])
+            shown = ", ".join(
+                f"{fqn!r}" + (f" (as {key!r})" if key != fqn else "")
+                for fqn, key in list(missing.items())[:10]
+            )
             more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
             raise KeyError(
                 f"checkpoint has no tensor for {shown}{more}; it holds {len(stored)} keys such as "
-                f"{sorted(stored)[:5]}. Fix key_mapping, or pass allow_partial_load=True to skip them"
+                f"{sorted(stored)[:5]}. Fix key_mapping, or pass allow_partial_load=True to skip "
+                "them"
             )
         for fqn, key in mapped.items():
             md, obj = stored.get(key), self.state_dict[fqn]
-            if md is not None and isinstance(obj, torch.Tensor) and tuple(md.size) != tuple(obj.size()):  # type: ignore[union-attr]
+            if (
+                isinstance(md, TensorStorageMetadata)
+                and isinstance(obj, torch.Tensor)
+                and tuple(md.size) != tuple(obj.size())
+            ):
                 raise ValueError(
-                    f"shape mismatch for {fqn!r}: the checkpoint stores {key!r} as {list(md.size)} "  # type: ignore[union-attr]
-                    f"but the destination is {list(obj.size())}; load into a tensor of the stored shape"
+                    f"shape mismatch for {fqn!r}: the checkpoint stores {key!r} as {list(md.size)} "
+                    f"but the destination is {list(obj.size())}; load into a tensor of the stored "
+                    "shape"
                 )
         # Plan against metadata re-keyed by FQN, then point each read back at the stored HF key.
         view = dataclasses.replace(
-            self.metadata, state_dict_metadata={fqn: stored[key] for fqn, key in mapped.items() if key in stored}
+            self.metadata,
+            state_dict_metadata={fqn: stored[key] for fqn, key in mapped.items() if key in stored},
         )
         local = {fqn: v for fqn, v in self.state_dict.items() if mapped[fqn] in stored}
         plan = create_default_local_load_plan(local, view, True)
         items = [
-            dataclasses.replace(item, storage_index=dataclasses.replace(item.storage_index, fqn=mapped[item.storage_index.fqn]))
+            dataclasses.replace(
+                item,
+                storage_index=dataclasses.replace(
+                    item.storage_index, fqn=mapped[item.storage_index.fqn]
+                ),
+            )
             for item in plan.items
         ]
         return dataclasses.replace(plan, items=items)

@@ -5,41 +5,41 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .format.compare import header_difference
 from .format.crc import crc32_of
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
 from .io.claim import Claim, released_on_error
-from .io.direct import AlignedBuffers, Descriptors, check_direct_io, pread_run
+from .io.direct import check_direct_io
 from .io.files import load_weight_map, read_header
 from .io.hostbuf import KeptHostBuffers, from_host
-from .io.parallel import parallel_map
-from .io.retry import RetryPolicy
+from .io.parallel import check_thread_count, parallel_map
+from .io.retry import RetryPolicy, policy_or_default
 from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
 from .plan.layout import chunk_runs, element_size
+from .plan.reads import READ_GAP_BYTES
 from .stores import ranges_for
 from .stores.base import Ranges
 
-__all__ = ["HFStorageReader", "coalesce", "READ_DIRECT_BY_DEFAULT"]
+__all__ = ["HFStorageReader"]
 
-# Whether direct_io=None reads local files with O_DIRECT (see the README's direct I/O section
-# for the measurement this rests on).
-READ_DIRECT_BY_DEFAULT = False
-
-# Remote reads: a gap between needed byte runs up to this size is read rather than skipped,
-# since one more request costs more than that much transfer.
-READ_GAP_BYTES = 1 << 20
 # ``LoadPlan.storage_data`` of a plan whose items the rank kept (``prepare_local_plan``).
 _KEPT_HERE = "hf_dcp_storage: read items kept on the rank"
 
@@ -83,12 +83,13 @@ class HFStorageReader(StorageReader):
             copy the index records (``metadata.headers``): a CRC32 covers a tensor's bytes but
             not the dtype, shape or offsets they are read with.
         direct_io: on local disk, read each run's aligned superset with ``O_DIRECT`` (no page
-            cache): ``None`` as ``READ_DIRECT_BY_DEFAULT`` decides, ``True`` (an error where the
-            filesystem refuses it), ``False`` never.
+            cache): ``None`` as ``stores/local.READ_DIRECT_BY_DEFAULT`` decides, ``True`` (an error
+            where the filesystem refuses it), ``False`` never.
 
     Raises (from ``read_metadata``, wrapped by DCP):
-        FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is missing.
-        ValueError: malformed index, a file name escaping the folder, corrupt or truncated files;
+        FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is
+        missing. ValueError: malformed index, a file name escaping the folder, corrupt or truncated
+        files;
             with ``verify=True``, an index without checksums, or a file whose header differs
             from the index's copy of it.
 
@@ -117,19 +118,17 @@ class HFStorageReader(StorageReader):
         direct_io: bool | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise ValueError(f"retry must be a hf_dcp_storage.RetryPolicy, got {type(retry).__name__}")
         self.storage_options = storage_options
-        self.thread_count = thread_count
-        self.retry = retry or RetryPolicy()
+        self.thread_count = check_thread_count(thread_count)
+        self.retry = policy_or_default(retry)
         self.verify = verify
         self.direct_io = check_direct_io(direct_io)
         self._ranges: Ranges | None = None  # how this store's byte ranges are read
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
-        self._kept: list[ReadItem] = []  # this rank's read items, between prepare_local_plan and read_data
+        self._kept: list[
+            ReadItem
+        ] = []  # this rank's read items, between prepare_local_plan and read_data
         self._host = KeptHostBuffers(thread_count)
         # The load using this reader (io/claim.py): a reader holds one load's state at a time.
         self.claim = Claim("HFStorageReader", "load", "loading", "a dcp.load in another thread")
@@ -139,13 +138,16 @@ class HFStorageReader(StorageReader):
     # -- DCP protocol -------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new load, taking this reader for it; ``checkpoint_id`` (when given) replaces the path.
+        """Start a new load, taking this reader for it; ``checkpoint_id`` (when given) replaces the
+        path.
 
         Raises:
             RuntimeError: this reader's previous load is still running in another thread, before
                 anything changes.
         """
-        self.claim.take(lambda: str(checkpoint_id if checkpoint_id is not None else self.checkpoint_id))
+        self.claim.take(
+            lambda: str(checkpoint_id if checkpoint_id is not None else self.checkpoint_id)
+        )
         with self.claim.released_on_error():
             self._start(checkpoint_id)
 
@@ -156,9 +158,11 @@ class HFStorageReader(StorageReader):
             self._ranges = ranges_for(self.fs, self.retry)
         self.storage_data = {}
 
-    validate_checkpoint_id = classmethod(fsio.resolvable)
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
+        return fsio.resolvable(cls, checkpoint_id)
 
-    def read_metadata(self) -> Metadata:  # type: ignore[override]
+    def read_metadata(self) -> Metadata:
         """(all ranks) Index plus headers -> DCP metadata: one whole-tensor chunk per key. The
         headers are the index's copies where it records them (checkpoints ``HFStorageWriter``
         saved: one read per rank), else read from the files.
@@ -167,12 +171,16 @@ class HFStorageReader(StorageReader):
         metadata (which HF checkpoints do not have) and reports our error as it is.
         """
         if self.checkpoint_id is None:
-            raise ValueError("HFStorageReader has no path: pass HFStorageReader(path) or dcp.load(..., checkpoint_id=path)")
+            raise ValueError(
+                "HFStorageReader has no path: pass HFStorageReader(path) or dcp.load(..., "
+                "checkpoint_id=path)"
+            )
         weight_map, checksums, recorded = self._weight_map()
         if self.verify and checksums is None:
             raise ValueError(
-                f"{fsio.url_of(self.fs, self.root)}: verify=True, but the checkpoint records no checksums "
-                f"(only checkpoints saved by HFStorageWriter have them); load it with verify=False"
+                f"{fsio.url_of(self.fs, self.root)}: verify=True, but the checkpoint records no "
+                "checksums (only checkpoints saved by HFStorageWriter have them); load it with "
+                "verify=False"
             )
         files = sorted(set(weight_map.values()))
         # The index's copies where it has them: no request per file (every rank reads this).
@@ -180,29 +188,50 @@ class HFStorageReader(StorageReader):
         if self.verify:
             self._check_recorded(recorded)
         unrecorded = [f for f in files if f not in recorded]
-        headers = {f: (h.by_name, h.data_start) for f, h in recorded.items()}
-        headers.update(zip(unrecorded, parallel_map(self._read_header, unrecorded, self.thread_count), strict=True))
+        headers: dict[str, tuple[Mapping[str, TensorEntry], int]] = {
+            f: (h.by_name, h.data_start) for f, h in recorded.items()
+        }
+        headers.update(
+            zip(
+                unrecorded,
+                parallel_map(self._read_header, unrecorded, self.thread_count),
+                strict=True,
+            )
+        )
         state: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, _Stored] = {}
         for key, file in weight_map.items():
             entries, data_start = headers[file]
             entry = entries.get(key)
             if entry is None:
-                raise ValueError(f"{self._url(file)}: the index maps {key!r} to this file, but its header has no such tensor")
+                raise ValueError(
+                    f"{self._url(file)}: the index maps {key!r} to this file, but its header has "
+                    "no such tensor"
+                )
             zeros = torch.Size([0] * len(entry.shape))
             state[key] = TensorStorageMetadata(
-                TensorProperties(dtype=entry.dtype), torch.Size(entry.shape), [ChunkStorageMetadata(zeros, torch.Size(entry.shape))]
+                TensorProperties(dtype=entry.dtype),
+                torch.Size(entry.shape),
+                [ChunkStorageMetadata(zeros, torch.Size(entry.shape))],
             )
             crc = checksums.get(key) if checksums is not None else None
             if self.verify and crc is None:
-                raise ValueError(f"{self._url(INDEX_NAME)}: verify=True, but the index records no checksum for {key!r}")
-            storage[MetadataIndex(key, zeros)] = _Stored(file, data_start + entry.begin, entry.dtype, entry.shape, key, crc)
+                raise ValueError(
+                    f"{self._url(INDEX_NAME)}: verify=True, but the index records no checksum for "
+                    f"{key!r}"
+                )
+            storage[MetadataIndex(key, zeros)] = _Stored(
+                file, data_start + entry.begin, entry.dtype, entry.shape, key, crc
+            )
         self.storage_data = storage
         return Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
 
     @released_on_error
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """(all ranks) The load goes on (or, with no ``reset``, starts): this reader is taken for it.
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """(all ranks) The load goes on (or, with no ``reset``, starts): this reader is taken for
+        it.
 
         Raises:
             RuntimeError: another thread's load is still using this reader, naming its path.
@@ -230,32 +259,27 @@ class HFStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """(all ranks) Read every item of ``plan`` into ``planner``'s tensors, slab by slab."""
         items = self._kept if plan.storage_data == _KEPT_HERE and not plan.items else plan.items
-        local = fsio.is_local(self.fs)
-        files = Descriptors(write=False, direct=READ_DIRECT_BY_DEFAULT if self.direct_io is None else self.direct_io, required=self.direct_io is True)
-        buffers = AlignedBuffers()
+        reads = self._ranges.open_reads(self.direct_io)  # type: ignore[union-attr]
 
         def fill(stored: _Stored, runs: Iterable[tuple[int, int, int]], view: memoryview) -> None:
-            if not local:
-                self._fetch_runs(stored, list(runs), view)
-                return
-            (fd, direct_fd), where = files.open(fsio.join(self.root, stored.file)), self._url(stored.file)
-            for t, c, n in runs:
-                if direct_fd is not None:
-                    pread_run(direct_fd, fd, view[c : c + n], stored.start + t, buffers, where=where)
-                else:
-                    fsio.pread_into(fd, view[c : c + n], stored.start + t, where=where)
+            reads.read_runs(fsio.join(self.root, stored.file), stored.start, list(runs), view)
 
         try:
             if self.verify:
                 by_tensor: dict[MetadataIndex, list[ReadItem]] = {}
                 for item in items:
                     by_tensor.setdefault(item.storage_index, []).append(item)
-                parallel_map(lambda items: self._read_verified(items, planner, fill), list(by_tensor.values()), self.thread_count)
+                parallel_map(
+                    lambda items: self._read_verified(items, planner, fill),
+                    list(by_tensor.values()),
+                    self.thread_count,
+                )
             else:
-                parallel_map(lambda item: self._read_item(item, planner, fill), items, self.thread_count)
+                parallel_map(
+                    lambda item: self._read_item(item, planner, fill), items, self.thread_count
+                )
         finally:
-            files.close()
-            buffers.close()  # every read done: the aligned buffers are the next load's or save's
+            reads.close()  # every read done: descriptors closed, buffers the next load's or save's
             if self._host.pool is not None:
                 self._host.pool.drain()  # the destinations hold every byte before DCP returns them
             self.claim.release()  # this rank's last step of the load, done or failed
@@ -265,12 +289,20 @@ class HFStorageReader(StorageReader):
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _read_item(self, item: ReadItem, planner: LoadPlanner, fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None]) -> None:
+    def _read_item(
+        self,
+        item: ReadItem,
+        planner: LoadPlanner,
+        fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None],
+    ) -> None:
         """Read one requested region slab by slab; ``fill`` reads byte runs into a buffer."""
         stored = self.storage_data[item.storage_index]
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != tuple(item.lengths):
-            raise ValueError(f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match requested {list(item.lengths)}")
+            raise ValueError(
+                f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match "
+                f"requested {list(item.lengths)}"
+            )
         itemsize = element_size(stored.dtype)
         for r0, r1 in slab_bounds(item.lengths, itemsize, self._slab_bytes(stored, item)):
             offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
@@ -279,13 +311,24 @@ class HFStorageReader(StorageReader):
             # Read straight into the destination when it can take the raw bytes; else through a
             # reusable host buffer, converted on the destination's device.
             if dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu":
-                fill(stored, runs, memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+                fill(stored, runs, dest.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
             else:
-                from_host(dest, lambda view, runs=runs: fill(stored, runs, view), stored.dtype, self._host(dest))
+                from_host(
+                    dest,
+                    lambda view, runs=runs: fill(stored, runs, view),
+                    stored.dtype,
+                    self._host(dest),
+                )
         planner.commit_tensor(item, target)
 
-    def _read_verified(self, items: list[ReadItem], planner: LoadPlanner, fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None]) -> None:
-        """Read one whole tensor slab by slab, check its CRC32, and fill every region ``items`` ask for.
+    def _read_verified(
+        self,
+        items: list[ReadItem],
+        planner: LoadPlanner,
+        fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None],
+    ) -> None:
+        """Read one whole tensor slab by slab, check its CRC32, and fill every region ``items`` ask
+        for.
 
         The regions are committed only after the check passes.
         """
@@ -297,8 +340,12 @@ class HFStorageReader(StorageReader):
         for r0, r1 in slab_bounds(stored.shape, itemsize):
             rows = stored.shape and (r1 - r0,)
             buf = torch.empty((*rows, *stored.shape[1:]), dtype=stored.dtype)
-            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            fill(stored, [(r0 * row_bytes, 0, len(view))] if stored.shape else [(0, 0, itemsize)], view)
+            view = buf.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+            fill(
+                stored,
+                [(r0 * row_bytes, 0, len(view))] if stored.shape else [(0, 0, itemsize)],
+                view,
+            )
             crc = crc32_of(view, crc)
             for item, target in targets:
                 if not stored.shape:
@@ -313,8 +360,9 @@ class HFStorageReader(StorageReader):
                     target[a - o0 : b - o0].copy_(src)
         if crc != stored.crc:
             raise ValueError(
-                f"{self._url(stored.file)}: tensor {stored.key!r} fails its checksum (crc32 of the bytes read "
-                f"{crc:08x}, the index records {stored.crc:08x}); the file is corrupt: restore it from a copy or re-save"
+                f"{self._url(stored.file)}: tensor {stored.key!r} fails its checksum (crc32 of "
+                f"the bytes read {crc:08x}, the index records {stored.crc:08x}); the file is "
+                "corrupt: restore it from a copy or re-save"
             )
         for item, target in targets:
             planner.commit_tensor(item, target)
@@ -323,7 +371,8 @@ class HFStorageReader(StorageReader):
         """Bytes of destination per slab: ``SLAB_BYTES``, less where a remote read fetches whole
         rows for a part of each (a column shard whose gaps ``coalesce`` reads), so that what one
         slab fetches, and holds in memory, stays about ``SLAB_BYTES`` whatever the world size."""
-        if fsio.is_local(self.fs) or len(stored.shape) < 2:
+        assert self._ranges is not None
+        if not self._ranges.coalesces or len(stored.shape) < 2:
             return SLAB_BYTES
         wanted, full = math.prod(item.lengths[1:]), math.prod(stored.shape[1:])
         if wanted == full or (full - wanted) * element_size(stored.dtype) > READ_GAP_BYTES:
@@ -333,32 +382,20 @@ class HFStorageReader(StorageReader):
     def _url(self, name: str) -> str:
         return fsio.url_of(self.fs, fsio.join(self.root, name))
 
-    def _fetch_runs(self, stored: _Stored, runs: list[tuple[int, int, int]], view: memoryview) -> None:
-        """Read ``runs`` of a remote file into ``view``: nearby runs joined, requests in parallel."""
-        path = fsio.join(self.root, stored.file)
-        spans = [(stored.start + t, stored.start + t + n) for t, _, n in runs]
-        requests = coalesce(spans)
-        assert self._ranges is not None
-        blobs: list[Any] = self._ranges.get_ranges(path, requests)
-        j = 0
-        for (_, c, n), (s, e) in zip(runs, spans, strict=True):
-            while requests[j][1] < e:
-                j += 1
-            blob, r0 = blobs[j], requests[j][0]
-            if isinstance(blob, BaseException):
-                raise blob
-            if len(blob) < e - r0:
-                raise ValueError(f"{self._url(stored.file)}: got {len(blob)} of {requests[j][1] - r0} bytes at {r0}; the file is truncated")
-            view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
-
-    def _weight_map(self) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
-        """``key -> file``, the recorded checksums and headers (``io/files.py``: ``load_weight_map``).
+    def _weight_map(
+        self,
+    ) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
+        """``key -> file``, the recorded checksums and headers (``io/files.py``:
+        ``load_weight_map``).
 
         Retried as a whole: the index (and a folder's listing) is read through fsspec, and s3fs
         retries neither a 500 nor a connection reset. A permanent failure keeps its own error.
         """
         return self.retry.call(
-            lambda: load_weight_map(self.fs, self.root, self._read_range), operation="read the index of", url=fsio.url_of(self.fs, self.root), keep_permanent=True
+            lambda: load_weight_map(self.fs, self.root, self._read_range),
+            operation="read the index of",
+            url=fsio.url_of(self.fs, self.root),
+            keep_permanent=True,
         )
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
@@ -369,7 +406,10 @@ class HFStorageReader(StorageReader):
         # Retried as a whole, as the index is: the file's size comes through fsspec (a HEAD that
         # s3fs does not retry on a 500); a permanent failure (a corrupt header) keeps its error.
         header = self.retry.call(
-            lambda: read_header(self.fs, self.root, file, self._read_range), operation="read the header of", url=self._url(file), keep_permanent=True
+            lambda: read_header(self.fs, self.root, file, self._read_range),
+            operation="read the header of",
+            url=self._url(file),
+            keep_permanent=True,
         )
         return header.by_name, header.data_start
 
@@ -393,45 +433,17 @@ class HFStorageReader(StorageReader):
                 difference.
         """
         files = sorted(recorded)
-        for file, actual in zip(files, parallel_map(self._file_header, files, self.thread_count), strict=True):
+        for file, actual in zip(
+            files, parallel_map(self._file_header, files, self.thread_count), strict=True
+        ):
             if actual is None:
                 continue
-            difference = _header_difference(recorded[file].by_name, recorded[file].data_start, *actual)
+            difference = header_difference(
+                recorded[file].by_name, recorded[file].data_start, *actual
+            )
             if difference is not None:
                 raise ValueError(
-                    f"{self._url(file)}: the file's header differs from the copy in {INDEX_NAME} (metadata.headers): "
-                    f"{difference}; the file or the index is corrupt: restore both from a copy, or re-save"
+                    f"{self._url(file)}: the file's header differs from the copy in {INDEX_NAME} "
+                    f"(metadata.headers): {difference}; the file or the index is corrupt: restore "
+                    "both from a copy, or re-save"
                 )
-
-
-def _header_difference(copy: Mapping[str, TensorEntry], copy_start: int, actual: Mapping[str, TensorEntry], actual_start: int) -> str | None:
-    """How a file's header (``actual``) differs from the index's copy of it, or ``None``."""
-    if copy_start != actual_start:
-        return f"the data starts at byte {copy_start} in the copy, {actual_start} in the file"
-    for key in sorted(set(copy) | set(actual)):
-        a, b = copy.get(key), actual.get(key)
-        if a != b:
-            described = [f"{e.dtype} {list(e.shape)} at [{e.begin}, {e.end}]" if e else "absent" for e in (a, b)]
-            return f"tensor {key!r} is {described[0]} in the copy, {described[1]} in the file"
-    return None
-
-
-def coalesce(spans: list[tuple[int, int]], waste: float = 0.1, gap_bytes: int = READ_GAP_BYTES) -> list[tuple[int, int]]:
-    """Join sorted, disjoint byte spans ``[start, end)`` into fewer requests.
-
-    A span joins the request before it when the gap between them is at most ``waste`` times
-    the span's own length (extra bytes within ``1 + waste`` of those needed), or at most
-    ``gap_bytes``: reading a gap that small costs less than one more request would (on S3 a
-    request's latency is worth about a megabyte of transfer). So row shards, and column shards
-    with wide rows, fetch no more than 1.1x what they need, while a column shard of narrow rows
-    becomes one request per slab instead of one per row. Pure.
-    """
-    requests: list[tuple[int, int]] = []
-    for start, end in spans:
-        gap = start - requests[-1][1] if requests else -1
-        if requests and (gap <= waste * (end - start) or gap <= gap_bytes):
-            requests[-1] = (requests[-1][0], end)
-        else:
-            requests.append((start, end))
-    return requests
-

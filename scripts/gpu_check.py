@@ -4,7 +4,8 @@ under NCCL, against the same state dict on CPU. One command, a few minutes at mo
 
     python scripts/gpu_check.py                      # every visible GPU, ~2 GiB of bf16
     python scripts/gpu_check.py --size-gb 0.5 --out DIR
-    python scripts/gpu_check.py --allow-cpu --ranks 2 --size-gb 0.02   # no GPU: the same steps on CPU (smoke test)
+    python scripts/gpu_check.py --allow-cpu --ranks 2 --size-gb 0.02   # no GPU: the same steps on
+    CPU (smoke test)
 
 One rank per GPU (a 1-device mesh when there is one GPU), process group ``cpu:gloo,cuda:nccl``
 (``--backend nccl``: plain NCCL, where the manager's own collectives take a gloo group).
@@ -17,7 +18,8 @@ side (``cuda``: the tensors on the GPUs; ``cpu``: the same values on CPU DTensor
   the page-locked aligned buffers a direct save copies device slabs into); ``save buffered``:
   the same with ``direct_io=False``, whose files must be byte-identical;
 * ``load``: ``dcp.load`` into zeroed tensors of the same placement, checked equal to the saved ones;
-* ``load_fp32``: the same into float32 destinations (the dtype converted on the destination's device);
+* ``load_fp32``: the same into float32 destinations (the dtype converted on the destination's
+  device);
 * ``async``: ``dcp.async_save`` with an extra gloo group: the time the caller is blocked (the
   device-to-host staging) and the time until the checkpoint is complete; its files must be
   byte-identical to the synchronous save's; ``process async``: the same through DCP's background
@@ -80,16 +82,27 @@ def shapes(size_gb: float) -> list[tuple[str, tuple[int, ...]]]:
     out = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         out += [(f"model.layers.{i}.{k}", s) for k, s in per_layer]
-    return out + [("model.norm.weight", (hidden,))]
+    return [*out, ("model.norm.weight", (hidden,))]
 
 
-def _state_dict(spec: list[tuple[str, tuple[int, ...]]], mesh: Any, dtype: torch.dtype = torch.bfloat16, fill: bool = True) -> dict[str, DTensor]:
+def _state_dict(
+    spec: list[tuple[str, tuple[int, ...]]],
+    mesh: Any,
+    dtype: torch.dtype = torch.bfloat16,
+    fill: bool = True,
+) -> dict[str, DTensor]:
     """Shard(0) DTensors on ``mesh``'s device, values a function of the key alone (made on rank 0's
     generator, identical on every rank, so any rank can check any shard)."""
     out = {}
     for i, (key, shape) in enumerate(spec):
         gen = torch.Generator(device=mesh.device_type).manual_seed(i)
-        full = torch.randn(shape, generator=gen, device=mesh.device_type, dtype=torch.float32).to(dtype) if fill else torch.zeros(shape, device=mesh.device_type, dtype=dtype)
+        full = (
+            torch.randn(shape, generator=gen, device=mesh.device_type, dtype=torch.float32).to(
+                dtype
+            )
+            if fill
+            else torch.zeros(shape, device=mesh.device_type, dtype=dtype)
+        )
         out[key] = distribute_tensor(full, mesh, [Shard(0)])
     return out
 
@@ -117,71 +130,121 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(rank)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's background save process meets there
-    dist.init_process_group(args["backend"] if device == "cuda" else "gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group(
+        args["backend"] if device == "cuda" else "gloo",
+        init_method=init,
+        rank=rank,
+        world_size=world,
+    )
     async_group = dist.new_group(backend="gloo")
     spec = shapes(args["size_gb"])
     root = Path(args["work"])
     results: dict[str, Any] = {}
     failures: list[str] = []
-    for side in ([device, "cpu"] if device == "cuda" else ["cpu"]):
+    for side in [device, "cpu"] if device == "cuda" else ["cpu"]:
         mesh = init_device_mesh(side, (world,))
         sd = _state_dict(spec, mesh)
         nbytes = sum(v.numel() * v.element_size() for v in sd.values())  # of the global tensors
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out: dict[str, Any] = {"bytes": nbytes}
         writer = HFStorageWriter(root / f"{side}_sync")
-        out["save_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=writer))
+        out["save_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=writer))  # noqa: B023 - called within the iteration
         out["direct_io_mib"] = writer.merge_stats.direct_io_bytes / 2**20
         pool = writer._host.pool
         out["pinned_buffers"] = pool.made if pool is not None and pool.pin else 0
-        out["pinned_aligned"] = len(aligned._PINNED)  # the direct writes' buffers the slabs were copied into
-        out["save_buffered_s"] = _timed(side, lambda: dcp.save(sd, storage_writer=HFStorageWriter(root / f"{side}_buffered", direct_io=False)))
+        out["pinned_aligned"] = len(
+            aligned._PINNED
+        )  # the direct writes' buffers the slabs were copied into
+        out["save_buffered_s"] = _timed(
+            side,
+            lambda: dcp.save(
+                sd,  # noqa: B023 - called within the iteration
+                storage_writer=HFStorageWriter(root / f"{side}_buffered", direct_io=False),  # noqa: B023 - called within the iteration
+            ),
+        )
         back = _state_dict(spec, mesh, fill=False)
-        out["load_s"] = _timed(side, lambda: dcp.load(back, storage_reader=HFStorageReader(root / f"{side}_sync")))
+        out["load_s"] = _timed(
+            side,
+            lambda: dcp.load(back, storage_reader=HFStorageReader(root / f"{side}_sync")),  # noqa: B023 - called within the iteration
+        )
         failures += [f"{side} load: {k}" for k in _same(sd, back)]
         back32 = _state_dict(spec, mesh, dtype=torch.float32, fill=False)
-        out["load_fp32_s"] = _timed(side, lambda: dcp.load(back32, storage_reader=HFStorageReader(root / f"{side}_sync")))
+        out["load_fp32_s"] = _timed(
+            side,
+            lambda: dcp.load(back32, storage_reader=HFStorageReader(root / f"{side}_sync")),  # noqa: B023 - called within the iteration
+        )
         failures += [f"{side} load_fp32: {k}" for k in _same(sd, back32)]
         back = back32 = {}  # free them before the next step
         _sync(side)
         t = time.perf_counter()
-        response = dcp.async_save(sd, storage_writer=HFStorageWriter(root / f"{side}_async"), process_group=async_group)
+        response = dcp.async_save(
+            sd, storage_writer=HFStorageWriter(root / f"{side}_async"), process_group=async_group
+        )
         out["async_blocked_s"] = time.perf_counter() - t
         getattr(response, "upload_completion", response).result()
         out["async_total_s"] = time.perf_counter() - t
         _sync(side)
-        stager = DefaultStager(StagingOptions(use_pinned_memory=side == "cuda", use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=side == "cuda"))
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=side == "cuda",
+                use_shared_memory=True,
+                use_async_staging=False,
+                use_non_blocking_copy=side == "cuda",
+            )
+        )
         t = time.perf_counter()
-        response = dcp.async_save(sd, storage_writer=HFStorageWriter(root / f"{side}_process"), async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
+        response = dcp.async_save(
+            sd,
+            storage_writer=HFStorageWriter(root / f"{side}_process"),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=stager,
+        )
         out["process_blocked_s"] = time.perf_counter() - t
         getattr(response, "upload_completion", response).result()
         out["process_total_s"] = time.perf_counter() - t
         stager.close()
         dist.barrier()
-        out["extra_peak_rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+        out["extra_peak_rss_mib"] = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+        ) / 1024
         if rank == 0:
             names = sorted(p.name for p in (root / f"{side}_sync").iterdir())
             for other in ("async", "process", "buffered"):
-                match, mismatch, errors = filecmp.cmpfiles(root / f"{side}_sync", root / f"{side}_{other}", names, shallow=False)
+                _match, mismatch, errors = filecmp.cmpfiles(
+                    root / f"{side}_sync", root / f"{side}_{other}", names, shallow=False
+                )
                 failures += [f"{side} {other} differs: {n}" for n in mismatch + errors]
         if side == device:
-            # The manager on this backend: its own collectives, training-state tensors on the device.
+            # The manager on this backend: its own collectives, training-state tensors on the
+            # device.
             mgr = CheckpointManager(root / f"{side}_run", keep_last_n=1)
             first = next(iter(sd))
             state = {"step": 7, "moment": sd[first]}
             mgr.save(7, {first: sd[first]}, training_state=state)
             restored = {"step": 0, "moment": _state_dict(spec[:1], mesh, fill=False)[first]}
-            if mgr.load({first: _state_dict(spec[:1], mesh, fill=False)[first]}, training_state=restored) != 7 or restored["step"] != 7:
+            if (
+                mgr.load(
+                    {first: _state_dict(spec[:1], mesh, fill=False)[first]}, training_state=restored
+                )
+                != 7
+                or restored["step"] != 7
+            ):
                 failures.append(f"{side} manager: resumed step {restored['step']}")
-            failures += [f"{side} manager: {k}" for k in _same({"m": sd[first]}, {"m": restored["moment"]})]
+            failures += [
+                f"{side} manager: {k}" for k in _same({"m": sd[first]}, {"m": restored["moment"]})
+            ]
             # Async saves refilling one kept host copy (pinned, non-blocking copies on CUDA).
-            with CheckpointManager(root / f"{side}_reuse", keep_last_n=2, reuse_staging=True) as reuse:
+            with CheckpointManager(
+                root / f"{side}_reuse", keep_last_n=2, reuse_staging=True
+            ) as reuse:
                 for step in (8, 9):
                     reuse.save(step, {first: sd[first]}, async_save=True)
                 back = {first: _state_dict(spec[:1], mesh, fill=False)[first]}
                 if reuse.load(back) != 9:
                     failures.append(f"{side} manager reuse_staging: did not resume step 9")
-                failures += [f"{side} manager reuse_staging: {k}" for k in _same({first: sd[first]}, back)]
+                failures += [
+                    f"{side} manager reuse_staging: {k}" for k in _same({first: sd[first]}, back)
+                ]
         results[side] = out
         sd = {}
     gathered: list[Any] = [None] * world
@@ -193,17 +256,26 @@ def _rank(rank: int, world: int, args: dict[str, Any], init: str) -> None:
 
 def _table(per_rank: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| tensors on | GB | save s (GB/s) | direct MiB | pinned buffers: host / aligned | save buffered s | load s (GB/s) | load into fp32 s | async: blocked / total s "
-        "| process async: blocked / total s | extra peak host RSS/rank MiB |",
+        (
+            "| tensors on | GB | save s (GB/s) | direct MiB | pinned buffers: host / aligned | "
+            "save buffered s | load s (GB/s) | load into fp32 s | async: blocked / total s | "
+            "process async: blocked / total s | extra peak host RSS/rank MiB |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for side in per_rank[0]["results"]:
-        worst = {k: max(r["results"][side][k] for r in per_rank) for k in per_rank[0]["results"][side]}
+        worst = {
+            k: max(r["results"][side][k] for r in per_rank) for k in per_rank[0]["results"][side]
+        }
         gb = per_rank[0]["results"][side]["bytes"] / GB  # global sizes: the same on every rank
         lines.append(
-            f"| {side} | {gb:.2f} | {worst['save_s']:.2f} ({gb / worst['save_s']:.2f}) | {worst['direct_io_mib']:.0f} | {worst['pinned_buffers']} / {worst['pinned_aligned']} | "
-            f"{worst['save_buffered_s']:.2f} | {worst['load_s']:.2f} ({gb / worst['load_s']:.2f}) | {worst['load_fp32_s']:.2f} | "
-            f"{worst['async_blocked_s']:.2f} / {worst['async_total_s']:.2f} | {worst['process_blocked_s']:.2f} / {worst['process_total_s']:.2f} | {worst['extra_peak_rss_mib']:.0f} |"
+            f"| {side} | {gb:.2f} | {worst['save_s']:.2f} ({gb / worst['save_s']:.2f}) | "
+            f"{worst['direct_io_mib']:.0f} | {worst['pinned_buffers']} / "
+            f"{worst['pinned_aligned']} | {worst['save_buffered_s']:.2f} | {worst['load_s']:.2f} "
+            f"({gb / worst['load_s']:.2f}) | {worst['load_fp32_s']:.2f} | "
+            f"{worst['async_blocked_s']:.2f} / {worst['async_total_s']:.2f} | "
+            f"{worst['process_blocked_s']:.2f} / {worst['process_total_s']:.2f} | "
+            f"{worst['extra_peak_rss_mib']:.0f} |"
         )
     return lines
 
@@ -212,34 +284,69 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=2.0, help="total bf16 bytes of the state dict")
     ap.add_argument("--ranks", type=int, help="ranks (default: one per visible GPU)")
-    ap.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the same steps on CPU tensors")
+    ap.add_argument(
+        "--allow-cpu", action="store_true", help="without a GPU, run the same steps on CPU tensors"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
     ap.add_argument("--work", help="where the checkpoints go (default: a temp folder, removed)")
-    ap.add_argument("--backend", default="cpu:gloo,cuda:nccl", help="the process group's backend on GPUs (also: nccl)")
+    ap.add_argument(
+        "--backend",
+        default="cpu:gloo,cuda:nccl",
+        help="the process group's backend on GPUs (also: nccl)",
+    )
     args = ap.parse_args()
     if torch.cuda.is_available():
         device, world = "cuda", args.ranks or torch.cuda.device_count()
     elif args.allow_cpu:
         device, world = "cpu", args.ranks or 2
     else:
-        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); pass --allow-cpu for a CPU smoke run", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device visible (torch.cuda.is_available() is False); pass "
+            "--allow-cpu for a CPU smoke run",
+            file=sys.stderr,
+        )
         return 2
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     init = f"file://{work / 'rendezvous'}"
     t = time.perf_counter()
-    mp.spawn(_rank, args=(world, {"device": device, "size_gb": args.size_gb, "work": str(work), "backend": args.backend}, init), nprocs=world, join=True)
+    mp.spawn(
+        _rank,
+        args=(
+            world,
+            {"device": device, "size_gb": args.size_gb, "work": str(work), "backend": args.backend},
+            init,
+        ),
+        nprocs=world,
+        join=True,
+    )
     per_rank = json.loads((work / "result.json").read_text())
     failures = [f for r in per_rank for f in r["failures"]]
     env = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "ranks": world, "size_gb": args.size_gb, "backend": args.backend if device == "cuda" else "gloo", "wall_s": round(time.perf_counter() - t, 1),
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "ranks": world, "size_gb": args.size_gb,
+        "backend": args.backend if device == "cuda" else "gloo",
+        "wall_s": round(time.perf_counter() - t, 1),
     }  # fmt: skip
-    text = "\n".join([f"gpu_check: {json.dumps(env)}", "", *_table(per_rank), "", "failures: " + (", ".join(failures) if failures else "none")]) + "\n"
+    text = (
+        "\n".join(
+            [
+                f"gpu_check: {json.dumps(env)}",
+                "",
+                *_table(per_rank),
+                "",
+                "failures: " + (", ".join(failures) if failures else "none"),
+            ]
+        )
+        + "\n"
+    )
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps({"env": env, "ranks": per_rank, "failures": failures}, indent=1))
+    (out / "gpu_check.json").write_text(
+        json.dumps({"env": env, "ranks": per_rank, "failures": failures}, indent=1)
+    )
     (out / "gpu_check.md").write_text(text)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)

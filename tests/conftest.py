@@ -12,6 +12,15 @@ from collections.abc import Iterator
 import fsspec
 import pytest
 
+from tests.support import objectservers
+from tests.support.storage_options import (
+    FAKE_AWS_ENV,
+    UNSET_AWS_ENV,
+    azure_options,
+    fresh_bucket,
+    gcs_options,
+)
+
 # tests/integrations/ needs the trainers, which live in .venv-integrations (with their own
 # fsspec); in any other venv tests/test_integrations.py runs them there, so they are not
 # collected here at all (rather than listed as skipped).
@@ -33,62 +42,16 @@ def url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
         fsspec.filesystem("memory").rm(root, recursive=True)
 
 
-# -- S3 (moto and Ceph radosgw servers on loopback) -------------------------------------------------
-
-# s3fs buffers this much before it starts a multipart upload, and uploads parts at least this
-# big; 5 MiB is the smallest part S3 (and moto) accept, so a tensor over 5 MiB makes a real
-# multipart upload without the test moving 50 MiB (s3fs' default block size).
-S3_BLOCK_SIZE = 5 * 2**20
-
-# Fake credentials and a sealed AWS environment: nothing from the developer's machine (profiles,
-# real keys, a configured endpoint, a proxy, the EC2 metadata service) can reach the tests.
-_FAKE_AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_CONFIG_FILE": "/nonexistent/hf_dcp_storage_tests/aws_config",
-    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/hf_dcp_storage_tests/aws_credentials",
-    "AWS_EC2_METADATA_DISABLED": "true",
-    "NO_PROXY": "127.0.0.1,localhost",
-    "no_proxy": "127.0.0.1,localhost",
-}
-_UNSET_AWS_ENV = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION")
-
-
-def s3_storage_options(endpoint: str) -> dict:
-    """fsspec ``storage_options`` for the moto endpoint: fake keys, fresh instance, no listings cache.
-
-    ``skip_instance_cache``: fsspec would otherwise hand every test (and the writer and reader of
-    one test) the same ``S3FileSystem`` object; ``use_listings_cache=False``: a listing never
-    comes from s3fs' directory cache, so no test sees a stale one. No ``region_name`` in
-    ``client_kwargs``: with it, moto refuses the bucket creation.
-    """
-    return {
-        "anon": False,
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint},
-        "default_block_size": S3_BLOCK_SIZE,
-        "skip_instance_cache": True,
-        "use_listings_cache": False,
-    }
-
-
-def s3_user_options(endpoint: str) -> dict:
-    """``storage_options`` as a user passes them: keys and endpoint only, so fsspec's defaults
-    hold (one shared ``S3FileSystem`` per process, listings cache on). What the library is
-    handed in the tests: it must be right with the cache a real process has (the checks a
-    test makes itself use ``s3_storage_options``, which has none)."""
-    return {"anon": False, "key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}, "default_block_size": S3_BLOCK_SIZE}
+# -- S3 (moto and Ceph radosgw servers on loopback) ------------------------------------------------
 
 
 @contextlib.contextmanager
 def _sealed_aws_env() -> Iterator[None]:
-    """The fake AWS environment of ``_FAKE_AWS_ENV`` (inherited by spawned ranks), undone after."""
+    """The fake AWS environment of ``FAKE_AWS_ENV`` (inherited by spawned ranks), undone after."""
     with pytest.MonkeyPatch.context() as mp:
-        for name, value in _FAKE_AWS_ENV.items():
+        for name, value in FAKE_AWS_ENV.items():
             mp.setenv(name, value)
-        for name in _UNSET_AWS_ENV:
+        for name in UNSET_AWS_ENV:
             mp.delenv(name, raising=False)
         yield
 
@@ -115,21 +78,21 @@ def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
     """``http://127.0.0.1:<port>`` of a real S3 server on loopback, once per session per server.
 
     ``moto``: moto's server in a thread of this process (port 0: the OS picks a free port).
-    ``radosgw``: Ceph's S3 gateway on a one-node cluster started by ``scripts/radosgw.sh``
+    ``radosgw``: Ceph's S3 gateway on a one-node cluster started by ``scripts/setup/radosgw.sh``
     (about 2 s); skipped, with the reason, where Ceph is not installed (``scripts/test.sh``
     installs it when it can) or ``HF_DCP_TEST_RADOSGW=0``. Spawned ranks reach either over
     loopback (they inherit the fake AWS environment set here).
     """
     pytest.importorskip("s3fs")
     if request.param == "radosgw":
-        import _radosgw
+        from tests.support import radosgw
 
-        reason = _radosgw.radosgw_unavailable()
+        reason = radosgw.radosgw_unavailable()
         if reason is not None:
             pytest.skip(f"radosgw: {reason}")
         with _sealed_aws_env():
             # A Ceph that is installed but fails to start errors the tests (with its log tail).
-            endpoint, stop = _radosgw.start_radosgw()
+            endpoint, stop = radosgw.start_radosgw()
             try:
                 yield endpoint
             finally:
@@ -161,22 +124,6 @@ def moto_s3(moto_endpoint: str) -> Iterator[tuple[str, dict]]:
     yield from fresh_bucket(moto_endpoint)
 
 
-def fresh_bucket(endpoint: str) -> Iterator[tuple[str, dict]]:
-    """Yields ``("s3://<fresh bucket>", user storage_options)``; removes the bucket after."""
-    import s3fs
-
-    options = s3_user_options(endpoint)
-    bucket = f"hf-dcp-test-{uuid.uuid4().hex[:20]}"
-    fs = s3fs.S3FileSystem(**s3_storage_options(endpoint))
-    fs.mkdir(bucket)
-    try:
-        yield f"s3://{bucket}", options
-    finally:
-        # Frees moto's memory; also drops whatever a test left in fsspec's instance cache.
-        fs.rm(bucket, recursive=True)
-        s3fs.S3FileSystem.clear_instance_cache()
-
-
 # -- GCS (fake-gcs-server) and Azure Blob (Azurite) on loopback ------------------------------------
 
 # gcsfs reads this when it is imported: without it, every open is a slow gRPC probe for zonal
@@ -184,29 +131,14 @@ def fresh_bucket(endpoint: str) -> Iterator[tuple[str, dict]]:
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
-def gcs_options(endpoint: str) -> dict:
-    """What a user passes for a GCS endpoint: ``token="anon"`` (otherwise gcsfs probes a cloud
-    metadata address for credentials) and the endpoint; fsspec's caches on."""
-    return {"token": "anon", "project": "hf-dcp-test", "endpoint_url": endpoint}
-
-
-def azure_options(blob_endpoint: str) -> dict:
-    """What a user passes for Azurite: its well-known development account's connection string."""
-    import _objectservers
-
-    return {"connection_string": _objectservers.azurite_connection_string(blob_endpoint)}
-
-
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[str]:
     """``http://127.0.0.1:<port>`` of fake-gcs-server (in-memory), started once per session;
     skipped with the reason where it is not installed."""
-    import _objectservers
-
-    reason = _objectservers.gcs_unavailable()
+    reason = objectservers.gcs_unavailable()
     if reason is not None:
         pytest.skip(f"GCS: {reason}")
-    endpoint, stop = _objectservers.start_fake_gcs()
+    endpoint, stop = objectservers.start_fake_gcs()
     try:
         yield endpoint
     finally:
@@ -217,12 +149,10 @@ def gcs_endpoint() -> Iterator[str]:
 def azure_endpoint() -> Iterator[str]:
     """The blob endpoint of Azurite (data in a temporary folder), started once per session;
     skipped with the reason where Node.js or Azurite is not installed."""
-    import _objectservers
-
-    reason = _objectservers.azurite_unavailable()
+    reason = objectservers.azurite_unavailable()
     if reason is not None:
         pytest.skip(f"Azure: {reason}")
-    endpoint, stop = _objectservers.start_azurite()
+    endpoint, stop = objectservers.start_azurite()
     try:
         yield endpoint
     finally:

@@ -22,38 +22,28 @@ Making "the change happened before the write" deterministic, without sleeps:
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import posixpath
 import threading
-from collections.abc import Mapping
 from typing import Any
 
-import fsspec
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load as st_load
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from hf_dcp_storage import HFStorageWriter
-
-from _checks import raises_in_checkpoint
-from _data import assert_same, random_tensor, same, seed_of
-from _dist import run_ranks
-
-# Key -> (shape, dtype). Odd row counts make uneven Shard(0) chunks on two ranks.
-TENSORS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-    "model.embed_tokens.weight": ((96, 32), torch.bfloat16),
-    "model.layers.0.mlp.up_proj.weight": ((33, 16), torch.float32),
-    "model.norm.weight": ((32,), torch.float32),
-    "step": ((3,), torch.int64),
-}
-# Two ranks also save a 12 MiB matrix: 6 MiB per rank, so on S3 each rank uploads a multipart part
-# of its own into the consolidated file (parts under 5 MiB would all be gathered by rank 0).
-LARGE = {"model.layers.0.mlp.down_proj.weight": ((3072, 2048), torch.bfloat16)}
+from tests.support.asyncsave import (
+    LARGE,
+    TENSORS,
+    assert_same_checkpoints,
+    checkpoint_files,
+    original_tensors,
+    train_step,
+)
+from tests.support.checks import raises_in_checkpoint
+from tests.support.data import same
+from tests.support.dist import run_ranks
 
 # Upper bound on any wait: a broken save fails the test instead of hanging it.
 WAIT_S = 60.0
@@ -62,47 +52,6 @@ moto_only = pytest.mark.parametrize("s3_endpoint", ["moto"], indirect=True)
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _originals(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    """The full tensors, rebuilt identically by any process from their key names."""
-    return {key: random_tensor(shape, dtype, seed_of(key)) for key, (shape, dtype) in spec.items()}
-
-
-def _train_step(state_dict: Mapping[str, torch.Tensor]) -> None:
-    """What an optimizer step does to the saved objects: change every tensor in place."""
-    for tensor in state_dict.values():
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        local.add_(1)
-
-
-def _files(url: str, options: dict | None) -> dict[str, bytes]:
-    """``path relative to url -> content`` of every object under ``url`` (any fsspec store)."""
-    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
-    root = root.rstrip("/")
-    return {posixpath.relpath(p, root): fs.cat_file(p) for p in sorted(fs.find(root))}
-
-
-def _tensors(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint's files, parsed by ``safetensors`` itself."""
-    index = json.loads(files["model.safetensors.index.json"])
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(set(index["weight_map"].values())):
-        out.update(st_load(files[name]))
-    assert set(out) == set(index["weight_map"]), f"files hold {sorted(out)}, index lists {sorted(index['weight_map'])}"
-    return out
-
-
-def _assert_same_checkpoints(async_url: str, sync_url: str, options: dict | None, originals: Mapping[str, torch.Tensor]) -> None:
-    """Byte-identical folders, holding exactly ``originals`` (the values before the change)."""
-    got, expected = _files(async_url, options), _files(sync_url, options)
-    assert sorted(got) == sorted(expected), f"async save wrote {sorted(got)}, sync save {sorted(expected)}"
-    differ = [name for name in expected if got[name] != expected[name]]
-    assert not differ, f"async save differs from the sync save in {differ}"
-    saved = _tensors(got)
-    assert set(saved) == set(originals)
-    for key, original in originals.items():
-        assert_same(saved[key], original, f"{async_url}: {key}")
 
 
 class _GatedPlanner(DefaultSavePlanner):
@@ -124,10 +73,18 @@ class _GatedPlanner(DefaultSavePlanner):
 
 def _stager(staging: str) -> DefaultStager | None:
     """``blocking``: async_save's own default (the copy is made inside the call); ``background``:
-    the copy is made by a staging thread and reported by ``AsyncSaveResponse.staging_completion``."""
+    the copy is made by a staging thread and reported by
+    ``AsyncSaveResponse.staging_completion``."""
     if staging == "blocking":
         return None
-    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        )
+    )
 
 
 def _completions(response: Any) -> tuple[concurrent.futures.Future, concurrent.futures.Future]:
@@ -144,7 +101,7 @@ def _completions(response: Any) -> tuple[concurrent.futures.Future, concurrent.f
 
 def _check_async_equals_sync(base: str, options: dict | None, staging: str) -> None:
     sync_url, async_url = f"{base}/sync", f"{base}/async"
-    originals = _originals(TENSORS)
+    originals = original_tensors(TENSORS)
     sd = {key: t.clone() for key, t in originals.items()}
     dcp.save(sd, storage_writer=HFStorageWriter(sync_url, storage_options=options))
 
@@ -152,13 +109,16 @@ def _check_async_equals_sync(base: str, options: dict | None, staging: str) -> N
     stager = _stager(staging)
     try:
         response = dcp.async_save(
-            sd, storage_writer=HFStorageWriter(async_url, storage_options=options), planner=_GatedPlanner(gate), async_stager=stager
+            sd,
+            storage_writer=HFStorageWriter(async_url, storage_options=options),
+            planner=_GatedPlanner(gate),
+            async_stager=stager,
         )
         assert isinstance(response, AsyncSaveResponse) == (staging == "background")
         staged, written = _completions(response)
         staged.result(timeout=WAIT_S)  # from here on training may change the tensors
         assert not written.done(), "the write finished while its planner was still waiting"
-        _train_step(sd)
+        train_step(sd)
         gate.set()
         written.result(timeout=WAIT_S)
     finally:
@@ -167,7 +127,7 @@ def _check_async_equals_sync(base: str, options: dict | None, staging: str) -> N
             stager.close()  # a stager passed in is the caller's to close
     for key, original in originals.items():
         assert not same(sd[key], original), f"{key}: the training step did not change it"
-    _assert_same_checkpoints(async_url, sync_url, options, originals)
+    assert_same_checkpoints(async_url, sync_url, options, originals)
 
 
 @pytest.mark.parametrize("staging", ["blocking", "background"])
@@ -176,34 +136,40 @@ def test_async_save_equals_sync_save_and_ignores_later_changes(url: str, staging
 
 
 @pytest.mark.parametrize("staging", ["blocking", "background"])
-def test_async_save_equals_sync_save_and_ignores_later_changes_on_s3(s3: tuple[str, dict], staging: str) -> None:
+def test_async_save_equals_sync_save_and_ignores_later_changes_on_s3(
+    s3: tuple[str, dict], staging: str
+) -> None:
     bucket, options = s3
     _check_async_equals_sync(f"{bucket}/run", options, staging)
 
 
 def _check_failed_write(url: str, options: dict | None) -> None:
-    originals = _originals(TENSORS)
+    originals = original_tensors(TENSORS)
     dcp.save(originals, storage_writer=HFStorageWriter(url, storage_options=options))
-    before = _files(url, options)
+    before = checkpoint_files(url, options)
     changed = {key: t.clone() for key, t in originals.items()}
-    _train_step(changed)
+    train_step(changed)
     fut = dcp.async_save(changed, storage_writer=HFStorageWriter(url, storage_options=options))
     # The refusal happens in the background thread (the coordinator's prepare_global_plan).
     with raises_in_checkpoint(FileExistsError, "already holds a complete checkpoint"):
         fut.result(timeout=WAIT_S)
-    assert _files(url, options) == before, "the refused save changed the existing checkpoint"
+    assert checkpoint_files(url, options) == before, (
+        "the refused save changed the existing checkpoint"
+    )
 
 
 def test_failed_background_write_raises_from_the_future_and_keeps_the_checkpoint(url: str) -> None:
     _check_failed_write(url, None)
 
 
-def test_failed_background_write_raises_from_the_future_and_keeps_the_checkpoint_on_s3(s3: tuple[str, dict]) -> None:
+def test_failed_background_write_raises_from_the_future_and_keeps_the_checkpoint_on_s3(
+    s3: tuple[str, dict],
+) -> None:
     bucket, options = s3
     _check_failed_write(f"{bucket}/run", options)
 
 
-# -- two gloo ranks, DTensor Shard(0) ----------------------------------------------------------------
+# -- two gloo ranks, DTensor Shard(0) --------------------------------------------------------------
 
 
 def _two_ranks(rank: int, world: int, base: str, options: dict | None) -> None:
@@ -215,18 +181,25 @@ def _two_ranks(rank: int, world: int, base: str, options: dict | None) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     # src_data_rank=None: every rank builds the same full tensor, so no scatter is needed.
-    sd = {k: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for k, t in _originals({**TENSORS, **LARGE}).items()}
+    sd = {
+        k: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+        for k, t in original_tensors({**TENSORS, **LARGE}).items()
+    }
     dcp.save(sd, storage_writer=HFStorageWriter(f"{base}/sync", storage_options=options))
     # Background collectives must not share a group with the training loop's collectives.
     group = dist.new_group(backend="gloo")
     if rank == 1:
         dist.barrier()  # joins the save only after rank 0 has changed its shards
-    fut = dcp.async_save(sd, storage_writer=HFStorageWriter(f"{base}/async", storage_options=options), process_group=group)
+    fut = dcp.async_save(
+        sd,
+        storage_writer=HFStorageWriter(f"{base}/async", storage_options=options),
+        process_group=group,
+    )
     if rank == 0:
         # Deterministic: rank 0's save is stuck in planning until rank 1 calls async_save,
         # which it does only after the barrier below, i.e. after this rank's change.
         assert not fut.done(), "rank 0's save finished before rank 1 joined it"
-    _train_step(sd)
+    train_step(sd)
     if rank == 0:
         dist.barrier()
     fut.result(timeout=WAIT_S)
@@ -237,7 +210,9 @@ def _two_ranks(rank: int, world: int, base: str, options: dict | None) -> None:
 def test_two_ranks_async_save_equals_sync_save_local(tmp_path) -> None:
     base = str(tmp_path / "run")
     run_ranks(_two_ranks, 2, base, None)
-    _assert_same_checkpoints(f"{base}/async", f"{base}/sync", None, _originals({**TENSORS, **LARGE}))
+    assert_same_checkpoints(
+        f"{base}/async", f"{base}/sync", None, original_tensors({**TENSORS, **LARGE})
+    )
 
 
 @pytest.mark.distributed
@@ -246,13 +221,15 @@ def test_two_ranks_async_save_equals_sync_save_on_s3(s3: tuple[str, dict]) -> No
     bucket, options = s3
     base = f"{bucket}/run"
     run_ranks(_two_ranks, 2, base, options)
-    _assert_same_checkpoints(f"{base}/async", f"{base}/sync", options, _originals({**TENSORS, **LARGE}))
+    assert_same_checkpoints(
+        f"{base}/async", f"{base}/sync", options, original_tensors({**TENSORS, **LARGE})
+    )
 
 
 def test_a_writer_already_saving_refuses_a_second_save(tmp_path) -> None:
     """Two saves in flight on one writer would share its path and plan (one save's bytes landing
     in the other's folder): the second is refused, the first completes untouched."""
-    originals = _originals(TENSORS)
+    originals = original_tensors(TENSORS)
     writer = HFStorageWriter(tmp_path / "one")
     gate = threading.Event()
     try:
@@ -261,7 +238,9 @@ def test_a_writer_already_saving_refuses_a_second_save(tmp_path) -> None:
         refusal = "still saving .*one.* pass a new HFStorageWriter to each save"
         # Elsewhere: refused by reset(), which DCP calls before its error wrapping.
         with pytest.raises(RuntimeError, match=refusal):
-            dcp.async_save(originals, storage_writer=writer, checkpoint_id=tmp_path / "two").result(timeout=WAIT_S)
+            dcp.async_save(originals, storage_writer=writer, checkpoint_id=tmp_path / "two").result(
+                timeout=WAIT_S
+            )
         # To the same path (no reset): refused when the save sets the writer up.
         with raises_in_checkpoint(RuntimeError, refusal):
             dcp.async_save(originals, storage_writer=writer).result(timeout=WAIT_S)
@@ -270,8 +249,8 @@ def test_a_writer_already_saving_refuses_a_second_save(tmp_path) -> None:
     finally:
         gate.set()
     dcp.save(originals, storage_writer=HFStorageWriter(tmp_path / "sync"))
-    _assert_same_checkpoints(str(tmp_path / "one"), str(tmp_path / "sync"), None, originals)
+    assert_same_checkpoints(str(tmp_path / "one"), str(tmp_path / "sync"), None, originals)
     assert not (tmp_path / "two").exists()
     # Once the save is over the writer takes the next one.
     dcp.save(originals, storage_writer=writer, checkpoint_id=tmp_path / "three")
-    _assert_same_checkpoints(str(tmp_path / "three"), str(tmp_path / "sync"), None, originals)
+    assert_same_checkpoints(str(tmp_path / "three"), str(tmp_path / "sync"), None, originals)

@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from _jobs import run_job
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
+from tests.support.jobs import run_job
 
 SHAPE = (32, 4)
 
@@ -20,21 +24,30 @@ class Chunks(torch.Tensor):
     """One global tensor of which this rank holds ``chunks`` (``[(offsets, tensor), ...]``)."""
 
     @staticmethod
-    def __new__(cls, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], torch.Tensor]]) -> Chunks:
+    def __new__(
+        cls, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], torch.Tensor]]
+    ) -> Chunks:
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=chunks[0][1].dtype)
         t.chunks = chunks
         return t
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        raise NotImplementedError(f"{func} on a Chunks wrapper: only DCP's protocol methods are supported")
+        raise NotImplementedError(
+            f"{func} on a Chunks wrapper: only DCP's protocol methods are supported"
+        )
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         return [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(off), t.shape), properties=TensorProperties(dtype=t.dtype), size=self.shape),
-            )  # fmt: skip
+                index=MetadataIndex(fqn, torch.Size(off)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(off), t.shape),
+                    properties=TensorProperties(dtype=t.dtype),
+                    size=self.shape,
+                ),
+            )
             for off, t in self.chunks
         ]
 
@@ -57,7 +70,10 @@ def _mine(rank: int, fill: torch.Tensor | None = None) -> Chunks:
 
 
 def _save_and_load(rank: int, world: int, url: str) -> None:
-    dcp.save({"w": _mine(rank), "b": torch.ones(3)}, storage_writer=HFStorageWriter(url, max_shard_size="256B"))
+    dcp.save(
+        {"w": _mine(rank), "b": torch.ones(3)},
+        storage_writer=HFStorageWriter(url, max_shard_size="256B"),
+    )
     dest = {"w": _mine(rank, torch.zeros(SHAPE)), "b": torch.zeros(3)}
     dcp.load(dest, storage_reader=HFStorageReader(url))
     for (row, _), got in dest["w"].chunks:

@@ -18,9 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from _checks import raises_in_checkpoint
-from _data import assert_same, read_checkpoint
 from hf_dcp_storage import CheckpointManager, HFStorageReader, HFStorageWriter
+from tests.support.checks import raises_in_checkpoint
+from tests.support.data import assert_same, read_checkpoint
 
 WAIT_S = 60.0  # upper bound on any wait: a broken claim fails the test instead of hanging it
 REFUSED = r"still {doing} \S*{name}\S* in thread .* pass a new HFStorage{kind} to each {job}"
@@ -28,7 +28,10 @@ REFUSED = r"still {doing} \S*{name}\S* in thread .* pass a new HFStorage{kind} t
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"model.embed.weight": torch.randn(16, 8, generator=g), "model.norm.weight": torch.randn(8, generator=g)}
+    return {
+        "model.embed.weight": torch.randn(16, 8, generator=g),
+        "model.norm.weight": torch.randn(8, generator=g),
+    }
 
 
 def _refused(name: str, load: bool = False) -> str:
@@ -53,13 +56,16 @@ class _Hold:
 
 
 class _HeldSavePlanner(DefaultSavePlanner):
-    """Holds the save in ``set_up_planner``: after ``reset``/``storage_meta``, before ``set_up_storage_writer``."""
+    """Holds the save in ``set_up_planner``: after ``reset``/``storage_meta``, before
+    ``set_up_storage_writer``."""
 
     def __init__(self, hold: _Hold) -> None:
         super().__init__()
         self.hold = hold
 
-    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
         self.hold.wait_here()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
@@ -71,13 +77,16 @@ class _HeldLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self.hold = hold
 
-    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
         self.hold.wait_here()
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
 class _FailingSavePlanner(DefaultSavePlanner):
-    """Fails the save midway: inside the writer's ``write_data``, after planning, as a store error would."""
+    """Fails the save midway: inside the writer's ``write_data``, after planning, as a store error
+    would."""
 
     def resolve_data(self, write_item: Any) -> Any:
         raise OSError("injected: the write failed")
@@ -101,31 +110,48 @@ def _same_files(got: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["path-given-to-save", "path-given-to-writer"])
-def test_a_second_save_is_refused_while_the_first_is_held_before_set_up(tmp_path, held: _Hold, named: bool) -> None:
+def test_a_second_save_is_refused_while_the_first_is_held_before_set_up(
+    tmp_path, held: _Hold, named: bool
+) -> None:
     """``named``: the first save passes ``checkpoint_id`` (DCP calls ``reset``); else the path was
     given to the constructor and ``storage_meta`` is the save's first call into the writer."""
     sd = _model(1)
     writer = HFStorageWriter() if named else HFStorageWriter(tmp_path / "one")
-    first = dcp.async_save(sd, storage_writer=writer, planner=_HeldSavePlanner(held), checkpoint_id=tmp_path / "one" if named else None)
+    first = dcp.async_save(
+        sd,
+        storage_writer=writer,
+        planner=_HeldSavePlanner(held),
+        checkpoint_id=tmp_path / "one" if named else None,
+    )
     held.until_arrived()
     # A second save naming another path: refused by reset, before the path changes.
     with pytest.raises(RuntimeError, match=_refused("one")):
-        dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / "two").result(timeout=WAIT_S)
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / "two").result(
+            timeout=WAIT_S
+        )
     # The same path, named by no reset: refused at the save's first call (inside DCP's wrapping).
     with raises_in_checkpoint(RuntimeError, _refused("one")):
         dcp.async_save(sd, storage_writer=writer).result(timeout=WAIT_S)
     # A synchronous save from this thread is refused alike.
     with pytest.raises(RuntimeError, match=_refused("one")):
         dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "three")
-    assert str(writer.checkpoint_id) == str(tmp_path / "one")  # nothing changed under the first save
+    assert str(writer.checkpoint_id) == str(
+        tmp_path / "one"
+    )  # nothing changed under the first save
     held.go.set()
     first.result(timeout=WAIT_S)
     dcp.save(sd, storage_writer=HFStorageWriter(tmp_path / "sync"))
     _same_files(str(tmp_path / "one"), str(tmp_path / "sync"))
     assert not (tmp_path / "two").exists() and not (tmp_path / "three").exists()
     # Over: the writer takes the next save, from any thread.
-    dcp.async_save(_model(2), storage_writer=writer, checkpoint_id=tmp_path / "four").result(timeout=WAIT_S)
-    assert_same(read_checkpoint(tmp_path / "four")[0]["model.norm.weight"], _model(2)["model.norm.weight"], "four")
+    dcp.async_save(_model(2), storage_writer=writer, checkpoint_id=tmp_path / "four").result(
+        timeout=WAIT_S
+    )
+    assert_same(
+        read_checkpoint(tmp_path / "four")[0]["model.norm.weight"],
+        _model(2)["model.norm.weight"],
+        "four",
+    )
 
 
 def _in_a_live_thread(fn: Callable[[], None]) -> tuple[BaseException | None, threading.Event]:
@@ -160,7 +186,9 @@ def test_a_save_that_fails_midway_frees_the_writer(tmp_path, step: str) -> None:
     options, state, planner = _FAILURES[step]
     url = "memory://claims-reset/one" if step == "reset" else str(tmp_path / "one")
     writer = HFStorageWriter(**options)
-    error, leave = _in_a_live_thread(lambda: dcp.save(state(), storage_writer=writer, planner=planner(), checkpoint_id=url))
+    error, leave = _in_a_live_thread(
+        lambda: dcp.save(state(), storage_writer=writer, planner=planner(), checkpoint_id=url)
+    )
     try:
         assert error is not None, f"the save was to fail in {step}"
         writer.direct_write = None  # what made reset fail, mended; the claim alone decides now
@@ -168,7 +196,11 @@ def test_a_save_that_fails_midway_frees_the_writer(tmp_path, step: str) -> None:
         dcp.save(_model(2), storage_writer=writer, checkpoint_id=tmp_path / "next")
     finally:
         leave.set()
-    assert_same(read_checkpoint(tmp_path / "next")[0]["model.norm.weight"], _model(2)["model.norm.weight"], "next")
+    assert_same(
+        read_checkpoint(tmp_path / "next")[0]["model.norm.weight"],
+        _model(2)["model.norm.weight"],
+        "next",
+    )
 
 
 class _PlannerFailsAfterSetUp(DefaultSavePlanner):
@@ -178,15 +210,27 @@ class _PlannerFailsAfterSetUp(DefaultSavePlanner):
         raise RuntimeError("injected: the planner failed")
 
 
-def test_a_save_that_failed_where_the_writer_cannot_see_is_over_for_its_own_thread(tmp_path) -> None:
+def test_a_save_that_failed_where_the_writer_cannot_see_is_over_for_its_own_thread(
+    tmp_path,
+) -> None:
     """A synchronous save failing in the planner leaves its claim with this thread: the next save
     of this thread starts (a thread's saves cannot overlap), as does another thread's once the
     failed save's thread has ended (each dcp.async_save runs on a thread of its own)."""
     writer = HFStorageWriter()
     with raises_in_checkpoint(RuntimeError, "injected: the planner failed"):
-        dcp.save(_model(1), storage_writer=writer, planner=_PlannerFailsAfterSetUp(), checkpoint_id=tmp_path / "a")
+        dcp.save(
+            _model(1),
+            storage_writer=writer,
+            planner=_PlannerFailsAfterSetUp(),
+            checkpoint_id=tmp_path / "a",
+        )
     dcp.save(_model(1), storage_writer=writer, checkpoint_id=tmp_path / "b")  # this thread: starts
-    failed = dcp.async_save(_model(1), storage_writer=writer, planner=_PlannerFailsAfterSetUp(), checkpoint_id=tmp_path / "c")
+    failed = dcp.async_save(
+        _model(1),
+        storage_writer=writer,
+        planner=_PlannerFailsAfterSetUp(),
+        checkpoint_id=tmp_path / "c",
+    )
     with raises_in_checkpoint(RuntimeError, "injected: the planner failed"):
         failed.result(timeout=WAIT_S)
     holder = writer.claim._holder  # DCP never told the writer the save ended: still its thread's
@@ -194,13 +238,19 @@ def test_a_save_that_failed_where_the_writer_cannot_see_is_over_for_its_own_thre
         holder.thread.join(WAIT_S)  # the async save's thread ends with its save
     dcp.save(_model(2), storage_writer=writer, checkpoint_id=tmp_path / "d")
     for name, seed in (("b", 1), ("d", 2)):
-        assert_same(read_checkpoint(tmp_path / name)[0]["model.norm.weight"], _model(seed)["model.norm.weight"], name)
+        assert_same(
+            read_checkpoint(tmp_path / name)[0]["model.norm.weight"],
+            _model(seed)["model.norm.weight"],
+            name,
+        )
 
 
 # -- the reader --------------------------------------------------------------------------------
 
 
-def test_a_second_load_is_refused_while_the_first_is_held_before_set_up(tmp_path, held: _Hold) -> None:
+def test_a_second_load_is_refused_while_the_first_is_held_before_set_up(
+    tmp_path, held: _Hold
+) -> None:
     for name, seed in (("a", 1), ("b", 2)):
         dcp.save(_model(seed), storage_writer=HFStorageWriter(tmp_path / name))
     reader = HFStorageReader()
@@ -209,7 +259,12 @@ def test_a_second_load_is_refused_while_the_first_is_held_before_set_up(tmp_path
 
     def first() -> None:
         try:
-            dcp.load(first_out, storage_reader=reader, planner=_HeldLoadPlanner(held), checkpoint_id=tmp_path / "a")
+            dcp.load(
+                first_out,
+                storage_reader=reader,
+                planner=_HeldLoadPlanner(held),
+                checkpoint_id=tmp_path / "a",
+            )
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             error.append(exc)
 
@@ -240,7 +295,9 @@ def test_a_load_that_fails_frees_the_reader(tmp_path) -> None:
     shard.write_bytes(bytes(data))
     reader = HFStorageReader(verify=True)
     out = {k: torch.zeros_like(v) for k, v in _model(0).items()}
-    error, leave = _in_a_live_thread(lambda: dcp.load(out, storage_reader=reader, checkpoint_id=tmp_path / "bad"))
+    error, leave = _in_a_live_thread(
+        lambda: dcp.load(out, storage_reader=reader, checkpoint_id=tmp_path / "bad")
+    )
     try:
         assert error is not None and "checksum" in str(error), error
         dcp.load(out, storage_reader=reader, checkpoint_id=tmp_path / "good")
@@ -264,9 +321,13 @@ def _hold_saves(monkeypatch: pytest.MonkeyPatch, before: Callable[[], None]) -> 
     monkeypatch.setattr(HFStorageWriter, "storage_meta", storage_meta)
 
 
-def test_a_manager_save_waits_for_the_async_save_in_flight(tmp_path, monkeypatch: pytest.MonkeyPatch, held: _Hold) -> None:
+def test_a_manager_save_waits_for_the_async_save_in_flight(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, held: _Hold
+) -> None:
     first_call = threading.Lock()
-    _hold_saves(monkeypatch, lambda: held.wait_here() if first_call.acquire(blocking=False) else None)
+    _hold_saves(
+        monkeypatch, lambda: held.wait_here() if first_call.acquire(blocking=False) else None
+    )
     mgr = CheckpointManager(str(tmp_path / "run"), keep_last_n=5)
     fut = mgr.save(1, _model(1), async_save=True)
     held.until_arrived()
@@ -292,8 +353,12 @@ def test_a_manager_save_waits_for_the_async_save_in_flight(tmp_path, monkeypatch
             assert_same(out[key], value, f"step {step}: {key}")
 
 
-@pytest.mark.parametrize("read_error", [True, False], ids=["error-read-from-the-future", "error-never-read"])
-def test_a_failed_async_save_frees_the_manager(tmp_path, monkeypatch: pytest.MonkeyPatch, read_error: bool) -> None:
+@pytest.mark.parametrize(
+    "read_error", [True, False], ids=["error-read-from-the-future", "error-never-read"]
+)
+def test_a_failed_async_save_frees_the_manager(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, read_error: bool
+) -> None:
     """The error of a failed async save is raised once: from its future, or (when nobody read
     it there) from the next save; the save after it, or that next save itself, succeeds."""
     first_call = threading.Lock()

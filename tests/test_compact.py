@@ -4,8 +4,8 @@ chunks get exactly one writer, spread over the ranks."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,25 +14,37 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import dcp_global_plan  # noqa: E402
-
-from _dist import run_ranks  # noqa: E402
-from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
+from benchmarks._synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan
+from benchmarks.bench_scale import dcp_global_plan
+from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter
 from hf_dcp_storage.plan.compact import check_and_dedup, encode_local, gather, table_plans
 from hf_dcp_storage.plan.layout import collect_tensor_specs, place_items, plan_layout
 from hf_dcp_storage.plan.placed import stable_order
+from tests.support.dist import run_ranks
 
 UNEVEN = LlamaConfig(layers=2, hidden=7, intermediate=10, kv_dim=3, vocab=11)
 
 
-def _item(key: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> WriteItem:
+def _item(
+    key: str,
+    shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+) -> WriteItem:
     chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-    return WriteItem(MetadataIndex(key, torch.Size(offsets)), WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, TensorProperties(dtype=dtype), torch.Size(shape)))
+    return WriteItem(
+        MetadataIndex(key, torch.Size(offsets)),
+        WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk, TensorProperties(dtype=dtype), torch.Size(shape)),
+    )
 
 
 def _plan(ranks: list[list[WriteItem]]):  # type: ignore[no-untyped-def]
@@ -49,7 +61,14 @@ def _written(g, dedup) -> list[tuple[int, str, tuple[int, ...], tuple[int, ...]]
             continue
         spec = g.specs[int(g.key[row])]
         nd = len(spec.shape)
-        out.append((int(g.rank[row]), spec.key, tuple(g.offsets[row, :nd].tolist()), tuple(g.sizes[row, :nd].tolist())))
+        out.append(
+            (
+                int(g.rank[row]),
+                spec.key,
+                tuple(g.offsets[row, :nd].tolist()),
+                tuple(g.sizes[row, :nd].tolist()),
+            )
+        )
     return out
 
 
@@ -63,12 +82,20 @@ def test_compact_planning_equals_planning_from_dcp_items(world: int, tp: int) ->
     g, dedup = _plan([p.items for p in plans])
     compact_layout = plan_layout(g.specs, max_shard_bytes=400)
     dcp_plans, _ = dcp_global_plan(plans, {})
-    key_order = [[item.index.fqn for item in p.items] for p in plans]  # as the writer records it, before DCP's dedup
+    key_order = [
+        [item.index.fqn for item in p.items] for p in plans
+    ]  # as the writer records it, before DCP's dedup
     object_layout = plan_layout(collect_tensor_specs(dcp_plans, key_order), max_shard_bytes=400)
-    assert [(f.name, f.header) for f in compact_layout.files] == [(f.name, f.header) for f in object_layout.files]
+    assert [(f.name, f.header) for f in compact_layout.files] == [
+        (f.name, f.header) for f in object_layout.files
+    ]
     assert len(compact_layout.files) > 1
     written = _written(g, dedup)
-    by_dcp = {(i.index.fqn, tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes)) for p in dcp_plans for i in p.items}
+    by_dcp = {
+        (i.index.fqn, tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes))
+        for p in dcp_plans
+        for i in p.items
+    }
     assert sorted(w[1:] for w in written) == sorted(by_dcp)
     # Every rank's table plan places its kept items where the object path places them.
     placed = place_items(object_layout, dcp_plans)
@@ -81,7 +108,9 @@ def test_compact_planning_equals_planning_from_dcp_items(world: int, tp: int) ->
                 continue
             row = int(local.rows[i, 0])
             want = expected[item.index]
-            assert (int(tp_.file[row]), int(tp_.start[row])) == (want.file, want.tensor_start), item.index
+            assert (int(tp_.file[row]), int(tp_.start[row])) == (want.file, want.tensor_start), (
+                item.index
+            )
 
 
 def test_replicated_chunks_get_one_writer_spread_over_ranks() -> None:
@@ -114,17 +143,26 @@ def test_each_replicated_chunk_goes_to_the_least_loaded_holder_in_turn(disjoint:
     unreplicated bytes; whether a key's holders are disjoint groups (TP: planned at once) or not."""
     rng = np.random.default_rng(7 if disjoint else 8)
     world = 8
-    ranks: list[list[WriteItem]] = [[_item(f"own{r}", (1, 64 * (1 + r % 3)), (0, 0), (1, 64 * (1 + r % 3)))] for r in range(world)]
+    ranks: list[list[WriteItem]] = [
+        [_item(f"own{r}", (1, 64 * (1 + r % 3)), (0, 0), (1, 64 * (1 + r % 3)))]
+        for r in range(world)
+    ]
     for k in range(6):
         rows = 4 if disjoint else 8
         for row in range(rows):
             # Disjoint: row i on TP pair i (ranks 2i, 2i + 1), as TP-replicated FSDP shards are.
-            holders = [2 * row, 2 * row + 1] if disjoint else sorted(rng.choice(world, size=int(rng.integers(2, 5)), replace=False).tolist())
+            holders = (
+                [2 * row, 2 * row + 1]
+                if disjoint
+                else sorted(rng.choice(world, size=int(rng.integers(2, 5)), replace=False).tolist())
+            )
             for r in holders:
                 ranks[r].append(_item(f"rep{k}", (rows, 16), (row, 0), (1, 16)))
     g, dedup = _plan(ranks)
     expected, load = _greedy_reference(g)
-    assert {(r, key, o) for r, key, o, _ in _written(g, dedup) if key.startswith("rep")} == {w for w in expected if w[1].startswith("rep")}
+    assert {(r, key, o) for r, key, o, _ in _written(g, dedup) if key.startswith("rep")} == {
+        w for w in expected if w[1].startswith("rep")
+    }
     assert dedup.bytes_per_rank.tolist() == load
 
 
@@ -137,11 +175,13 @@ def test_ranks_listing_the_same_keys_out_of_mesh_order_keep_their_writers_and_by
     ranks: list[list[WriteItem]] = []
     for r in range(world):
         start = sum(q + 1 for q in range(r + 1, world))  # rank 3 holds the first rows
-        ranks.append([
-            _item("w", (10, 16), (start, 0), (r + 1, 16)),
-            _item("norm", (16,), (0,), (16,)),
-            _item("pair", (4, 16), (r // 2 * 2, 0), (2, 16)),
-        ])
+        ranks.append(
+            [
+                _item("w", (10, 16), (start, 0), (r + 1, 16)),
+                _item("norm", (16,), (0,), (16,)),
+                _item("pair", (4, 16), (r // 2 * 2, 0), (2, 16)),
+            ]
+        )
     g, dedup = _plan(ranks)
     assert len(g.table_keys) == 1
     expected, load = _greedy_reference(g)
@@ -160,7 +200,9 @@ def _greedy_reference(g):  # type: ignore[no-untyped-def]
     for row in range(len(g.key)):
         spec = g.specs[int(g.key[row])]
         nbytes = spec.dtype.itemsize * int(np.prod(g.sizes[row, : len(spec.shape)]))
-        held.setdefault((int(g.key[row]), tuple(g.offsets[row, : len(spec.shape)].tolist())), []).append((int(g.rank[row]), nbytes))
+        held.setdefault(
+            (int(g.key[row]), tuple(g.offsets[row, : len(spec.shape)].tolist())), []
+        ).append((int(g.rank[row]), nbytes))
     load = [0] * world
     expected = set()
     for (k, offsets), holders in sorted(held.items()):
@@ -176,14 +218,25 @@ def _greedy_reference(g):  # type: ignore[no-untyped-def]
 
 
 def test_empty_chunks_are_kept_once_and_cover_nothing() -> None:
-    ranks = [[_item("t", (3, 4), (0, 0), (2, 4))], [_item("t", (3, 4), (2, 0), (1, 4))], [_item("t", (3, 4), (3, 0), (0, 4))], [_item("t", (3, 4), (3, 0), (0, 4))]]
+    ranks = [
+        [_item("t", (3, 4), (0, 0), (2, 4))],
+        [_item("t", (3, 4), (2, 0), (1, 4))],
+        [_item("t", (3, 4), (3, 0), (0, 4))],
+        [_item("t", (3, 4), (3, 0), (0, 4))],
+    ]
     g, dedup = _plan(ranks)
     assert [w[0] for w in _written(g, dedup)] == [0, 1, 2]
 
 
 def test_a_valid_tiling_that_is_no_grid_passes() -> None:
     """Row 0 split in two columns, rows 1-2 in three: no grid, still an exact tiling."""
-    boxes = [((0, 0), (1, 3)), ((0, 3), (1, 3)), ((1, 0), (2, 2)), ((1, 2), (2, 2)), ((1, 4), (2, 2))]
+    boxes = [
+        ((0, 0), (1, 3)),
+        ((0, 3), (1, 3)),
+        ((1, 0), (2, 2)),
+        ((1, 2), (2, 2)),
+        ((1, 4), (2, 2)),
+    ]
     g, dedup = _plan([[_item("t", (3, 6), o, s)] for o, s in boxes])
     assert len(_written(g, dedup)) == 5
 
@@ -191,37 +244,73 @@ def test_a_valid_tiling_that_is_no_grid_passes() -> None:
 @pytest.mark.parametrize(
     "shape, boxes, problem",
     [
-        ((4, 4), [((0, 0), (2, 4)), ((3, 0), (1, 4))], "do not cover it exactly once"),  # row 2 missing
-        ((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))], "do not cover it exactly once"),  # rows overlap
-        ((4, 4), [((0, 0), (4, 2)), ((0, 2), (4, 2)), ((1, 1), (1, 2))], "do not cover it exactly once"),
-        ((4, 6), [((0, 0), (1, 3)), ((0, 3), (1, 3)), ((1, 0), (3, 3)), ((1, 2), (3, 4))], "do not cover it exactly once"),
-        ((4, 6), [((0, 0), (1, 6)), ((1, 0), (3, 2)), ((1, 3), (3, 3))], "do not cover it exactly once"),  # no grid, gap
+        (
+            (4, 4),
+            [((0, 0), (2, 4)), ((3, 0), (1, 4))],
+            "do not cover it exactly once",
+        ),  # row 2 missing
+        (
+            (4, 4),
+            [((0, 0), (3, 4)), ((2, 0), (2, 4))],
+            "do not cover it exactly once",
+        ),  # rows overlap
+        (
+            (4, 4),
+            [((0, 0), (4, 2)), ((0, 2), (4, 2)), ((1, 1), (1, 2))],
+            "do not cover it exactly once",
+        ),
+        (
+            (4, 6),
+            [((0, 0), (1, 3)), ((0, 3), (1, 3)), ((1, 0), (3, 3)), ((1, 2), (3, 4))],
+            "do not cover it exactly once",
+        ),
+        (
+            (4, 6),
+            [((0, 0), (1, 6)), ((1, 0), (3, 2)), ((1, 3), (3, 3))],
+            "do not cover it exactly once",
+        ),  # no grid, gap
         ((4, 4), [((0, 0), (4, 4)), ((4, 0), (1, 4))], "lies outside the tensor"),
     ],
     ids=["gap", "overlap", "overlap-no-grid", "overlap-partial", "gap-no-grid", "outside"],
 )
-def test_chunks_that_do_not_tile_are_refused(shape: tuple[int, int], boxes: list, problem: str) -> None:
+def test_chunks_that_do_not_tile_are_refused(
+    shape: tuple[int, int], boxes: list, problem: str
+) -> None:
     with pytest.raises(ValueError, match=problem) as err:
         _plan([[_item("t", shape, o, s)] for o, s in boxes])
     assert f"'t' {list(shape)}" in str(err.value) or "'t'" in str(err.value)
 
 
-def _guillotine(rng: np.random.Generator, offsets: tuple[int, ...], sizes: tuple[int, ...], grid: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _guillotine(
+    rng: np.random.Generator, offsets: tuple[int, ...], sizes: tuple[int, ...], grid: bool
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """A random exact tiling of the box: a grid (every dimension cut at the same points
     throughout), or cut recursively along random dimensions (bands of different cuts)."""
     if grid:
-        cuts = [sorted({0, n, *rng.integers(1, max(n, 2), rng.integers(0, 3)).tolist()} - {n} | {n}) if n > 1 else [0, n] for n in sizes]
+        cuts = [
+            sorted({0, n, *rng.integers(1, max(n, 2), rng.integers(0, 3)).tolist()} - {n} | {n})
+            if n > 1
+            else [0, n]
+            for n in sizes
+        ]
         cells: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
         for d, c in enumerate(cuts):
-            cells = [(o + (offsets[d] + a,), s + (b - a,)) for o, s in cells for a, b in zip(c, c[1:])]
+            cells = [
+                ((*o, offsets[d] + a), (*s, b - a))
+                for o, s in cells
+                for a, b in itertools.pairwise(c)
+            ]
         return cells
     splittable = [d for d, n in enumerate(sizes) if n > 1]
     if not splittable or rng.random() < 0.3:
         return [(offsets, sizes)]
     d = int(rng.choice(splittable))
     cut = int(rng.integers(1, sizes[d]))
-    lo_s = sizes[:d] + (cut,) + sizes[d + 1 :]
-    hi_o, hi_s = offsets[:d] + (offsets[d] + cut,) + offsets[d + 1 :], sizes[:d] + (sizes[d] - cut,) + sizes[d + 1 :]
+    lo_s = (*sizes[:d], cut, *sizes[d + 1 :])
+    hi_o, hi_s = (
+        (*offsets[:d], offsets[d] + cut, *offsets[d + 1 :]),
+        (*sizes[:d], sizes[d] - cut, *sizes[d + 1 :]),
+    )
     return _guillotine(rng, offsets, lo_s, False) + _guillotine(rng, hi_o, hi_s, False)
 
 
@@ -248,9 +337,9 @@ def test_the_tiling_check_agrees_with_counting_every_element(seed: int) -> None:
                 if how == 0 and len(boxes) > 1:
                     boxes.pop(i)
                 elif how == 1 and o[d] + s[d] < shape[d]:
-                    boxes[i] = (o, s[:d] + (s[d] + 1,) + s[d + 1 :])
+                    boxes[i] = (o, (*s[:d], s[d] + 1, *s[d + 1 :]))
                 elif o[d] > 0:
-                    boxes[i] = (o[:d] + (o[d] - 1,) + o[d + 1 :], s)
+                    boxes[i] = ((*o[:d], o[d] - 1, *o[d + 1 :]), s)
             count = np.zeros(shape, dtype=np.int64)
             for o, s in set(boxes):
                 count[tuple(slice(a, a + n) for a, n in zip(o, s, strict=True))] += 1
@@ -258,7 +347,9 @@ def test_the_tiling_check_agrees_with_counting_every_element(seed: int) -> None:
                 broken.append(f"t{k}")
             expected |= {(f"t{k}", o, s) for o, s in boxes}
             for o, s in boxes:  # each box on one to all ranks (replicated)
-                for r in rng.choice(world, size=int(rng.integers(1, world + 1)), replace=False).tolist():
+                for r in rng.choice(
+                    world, size=int(rng.integers(1, world + 1)), replace=False
+                ).tolist():
                     ranks[r].append(_item(f"t{k}", shape, o, s))
         for items in ranks:
             if rng.random() < 0.5:
@@ -267,7 +358,11 @@ def test_the_tiling_check_agrees_with_counting_every_element(seed: int) -> None:
         if broken:
             with pytest.raises(ValueError, match="do not cover it exactly once") as err:
                 _plan(ranks)
-            assert any(f"of '{key}'" in str(err.value) for key in broken), (trial, broken, str(err.value))
+            assert any(f"of '{key}'" in str(err.value) for key in broken), (
+                trial,
+                broken,
+                str(err.value),
+            )
         else:
             g, dedup = _plan(ranks)
             written = _written(g, dedup)
@@ -278,18 +373,28 @@ def test_chunks_ending_past_2_31_are_planned_without_wrapping() -> None:
     """Rows fit int32 on every rank, but a chunk's end does not: the coordinator keeps int64
     (an int32 sum would wrap and the tiling check would refuse a valid save)."""
     n = 2**31 + 10
-    ranks = [[_item("big", (n,), (0,), (n // 2,), torch.int8)], [_item("big", (n,), (n // 2,), (n - n // 2,), torch.int8)]]
+    ranks = [
+        [_item("big", (n,), (0,), (n // 2,), torch.int8)],
+        [_item("big", (n,), (n // 2,), (n - n // 2,), torch.int8)],
+    ]
     assert all(encode_local(items).rows.dtype == np.int32 for items in ranks)
     g, dedup = _plan(ranks)
     assert g.offsets.dtype == np.int64
     assert [w[0] for w in _written(g, dedup)] == [0, 1]
     assert dedup.bytes_per_rank.tolist() == [n // 2, n - n // 2]
     g, _ = _plan([[_item("small", (8, 4), (0, 0), (8, 4))]])
-    assert (g.offsets.dtype, g.key.dtype, g.rank.dtype) == (np.int32, np.int32, np.int32)  # half the memory
+    assert (g.offsets.dtype, g.key.dtype, g.rank.dtype) == (
+        np.int32,
+        np.int32,
+        np.int32,
+    )  # half the memory
 
 
 def test_a_key_with_two_shapes_across_ranks_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"'w' is torch.float32\[4, 4\] on one rank and torch.float32\[4, 5\] on another"):
+    with pytest.raises(
+        ValueError,
+        match=r"'w' is torch.float32\[4, 4\] on one rank and torch.float32\[4, 5\] on another",
+    ):
         _plan([[_item("w", (4, 4), (0, 0), (2, 4))], [_item("w", (4, 5), (2, 0), (2, 5))]])
 
 
@@ -307,8 +412,13 @@ def test_ranks_with_the_same_keys_share_one_table() -> None:
 
 
 def test_dcp_save_returns_the_metadata_the_reader_reports(tmp_path: Path) -> None:
-    """Compact plans leave DCP nothing to describe; the writer fills in the checkpoint's metadata."""
-    sd = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16), "c": torch.tensor(7)}
+    """Compact plans leave DCP nothing to describe; the writer fills in the checkpoint's
+    metadata."""
+    sd = {
+        "a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "b": torch.ones(5, dtype=torch.bfloat16),
+        "c": torch.tensor(7),
+    }
     metadata = dcp.save(sd, storage_writer=HFStorageWriter(tmp_path / "ckpt"))
     read = HFStorageReader(tmp_path / "ckpt").read_metadata()
     assert metadata.state_dict_metadata == read.state_dict_metadata
@@ -316,7 +426,11 @@ def test_dcp_save_returns_the_metadata_the_reader_reports(tmp_path: Path) -> Non
 
 
 def test_rows_round_trip_through_encode_and_gather() -> None:
-    items = [_item("x", (8, 3, 2), (4, 0, 0), (4, 3, 2)), _item("y", (5,), (1,), (2,), torch.bfloat16), _item("z", (), (), ())]
+    items = [
+        _item("x", (8, 3, 2), (4, 0, 0), (4, 3, 2)),
+        _item("y", (5,), (1,), (2,), torch.bfloat16),
+        _item("z", (), (), ()),
+    ]
     g = gather([encode_local(items)])
     assert [s.key for s in g.specs] == ["x", "y", "z"]
     assert g.offsets.tolist() == [[4, 0, 0], [1, 0, 0], [0, 0, 0]]
@@ -340,7 +454,11 @@ def test_plan_caching_is_refused_before_the_second_save_writes(tmp_path: Path) -
 def _collide_across_ranks(rank: int, world: int, root: str) -> None:
     sd = {"a" if rank == 0 else "b": torch.ones(4)}
     try:
-        dcp.save(sd, storage_writer=HFStorageWriter(root), planner=HFSavePlanner(key_mapping={"a": "x", "b": "x"}))
+        dcp.save(
+            sd,
+            storage_writer=HFStorageWriter(root),
+            planner=HFSavePlanner(key_mapping={"a": "x", "b": "x"}),
+        )
     except CheckpointException as exc:
         messages = " ".join(str(e) for e, _ in exc.failures.values())
         assert "maps both 'a' and 'b' (on different ranks) to 'x'" in messages, messages

@@ -8,11 +8,18 @@ import zlib
 
 import pytest
 
-from hf_dcp_storage.format.crc import CrcAccumulator, combine_contributions, crc32_combine, crc32_of, crc32_shift
+from hf_dcp_storage.format.crc import (
+    CrcAccumulator,
+    combine_contributions,
+    crc32_combine,
+    crc32_of,
+    crc32_shift,
+)
 
 
 def _zeros_shift(crc: int, n: int) -> int:
-    """``Z_n(crc)`` straight from zlib: ``zlib.crc32(data, v) == Z_len(data)(v) ^ zlib.crc32(data)``."""
+    """``Z_n(crc)`` straight from zlib: ``zlib.crc32(data, v) == Z_len(data)(v) ^
+    zlib.crc32(data)``."""
     zeros = bytes(n)
     return zlib.crc32(zeros, crc) ^ zlib.crc32(zeros)
 
@@ -38,12 +45,16 @@ def _grid_runs(
             if c0 == 0 and c1 == cols:
                 runs = [(r0 * cols * itemsize, r1 * cols * itemsize)]
             else:
-                runs = [((r * cols + c0) * itemsize, (r * cols + c1) * itemsize) for r in range(r0, r1)]
+                runs = [
+                    ((r * cols + c0) * itemsize, (r * cols + c1) * itemsize) for r in range(r0, r1)
+                ]
             per_rank.append(runs)
     return per_rank
 
 
-def _rank_contribution(rng: random.Random, data: bytes, runs: list[tuple[int, int]], mode: str) -> tuple[int, int]:
+def _rank_contribution(
+    rng: random.Random, data: bytes, runs: list[tuple[int, int]], mode: str
+) -> tuple[int, int]:
     """One rank's contribution and byte count, fed the way ``mode`` says."""
     if mode == "in_order_add":
         acc = CrcAccumulator()
@@ -77,7 +88,9 @@ def _rank_contribution(rng: random.Random, data: bytes, runs: list[tuple[int, in
     )
 
 
-@pytest.mark.parametrize("mode", ["in_order_add", "in_order_update", "shuffled_merge", "shuffled_xor"])
+@pytest.mark.parametrize(
+    "mode", ["in_order_add", "in_order_update", "shuffled_merge", "shuffled_xor"]
+)
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("kind", ["rows", "cols", "blocks"])
 def test_contributions_combine_to_the_whole_tensor_crc(kind: str, world: int, mode: str) -> None:
@@ -183,7 +196,9 @@ def test_errors_name_the_value_and_the_rule() -> None:
     with pytest.raises(ValueError, match=r"byte run at start=-2 is not a run"):
         acc.update(-2, b"x")
     acc.add(0, 10, 0)
-    with pytest.raises(ValueError, match=r"tensor length 9 is shorter than a byte run fed to it \(ending at 10\)"):
+    with pytest.raises(
+        ValueError, match=r"tensor length 9 is shorter than a byte run fed to it \(ending at 10\)"
+    ):
         acc.contribution(9)
     with pytest.raises(ValueError, match=r"crc32_shift\(nbytes=-1\) needs nbytes >= 0"):
         crc32_shift(0, -1)
@@ -200,8 +215,12 @@ def test_crc32c_of_pieces_is_the_crc32c_of_their_concatenation() -> None:
     pieces = [rng.randbytes(n) for n in (0, 1, 112, 6 << 20, 4095, 0, 65536)]
     want = google_crc32c.value(b"".join(pieces))
     assert crc32c_of_pieces((google_crc32c.value(p), len(p)) for p in pieces) == want
-    assert crc32c_of_pieces((google_crc32c.value(p), len(p)) for p in reversed(pieces)) != want  # order matters
-    assert crc32c_combine(google_crc32c.value(b"ab"), google_crc32c.value(b""), 0) == google_crc32c.value(b"ab")
+    assert (
+        crc32c_of_pieces((google_crc32c.value(p), len(p)) for p in reversed(pieces)) != want
+    )  # order matters
+    assert crc32c_combine(
+        google_crc32c.value(b"ab"), google_crc32c.value(b""), 0
+    ) == google_crc32c.value(b"ab")
     assert crc32c_from_gcs(base64.b64encode(want.to_bytes(4, "big")).decode()) == want
     with pytest.raises(ValueError, match=r"crc32c='AAA=' is not base64 of a 4-byte CRC32C"):
         crc32c_from_gcs("AAA=")

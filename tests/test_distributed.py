@@ -24,10 +24,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from _data import ALL_DTYPES, DTYPE_IDS, assert_same, assert_same_files, random_tensor, read_checkpoint, seed_of
-from _dist import run_ranks
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter
 from hf_dcp_storage.io.records import RankRecord, rank_record_name
+from tests.support.data import (
+    ALL_DTYPES,
+    DTYPE_IDS,
+    assert_same,
+    assert_same_files,
+    random_tensor,
+    read_checkpoint,
+    seed_of,
+)
+from tests.support.dist import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -75,7 +83,8 @@ KEYS: list[Key] = [
     Key("dt.shard1", (6, 12), kind="mesh1", placements=(Shard(1),)),
     Key("dt.replicate", (8,), kind="mesh1", placements=(Replicate(),)),
     Key("dt.replicate_2d", (3, 5), F64, kind="mesh1", placements=(Replicate(),)),
-    # uneven shards: 7 rows over 4 -> 2,2,2,1; 5 rows over 4 -> 2,2,1,0 (an empty shard); 3 cols over 4 -> 1,1,1,0
+    # uneven shards: 7 rows over 4 -> 2,2,2,1; 5 rows over 4 -> 2,2,1,0 (an empty shard); 3 cols
+    # over 4 -> 1,1,1,0
     Key("uneven.rows7_over4", (7, 3), kind="mesh1", placements=(Shard(0),)),
     Key("uneven.rows5_over4", (5, 4), kind="mesh1", placements=(Shard(0),)),
     Key("uneven.cols3_over4", (4, 3), kind="mesh1", placements=(Shard(1),)),
@@ -98,8 +107,20 @@ KEYS: list[Key] = [
     # non-contiguous
     Key("noncontig.transposed", (5, 3), layout="transposed"),
     Key("noncontig.strided", (4, 5), torch.int32, layout="strided"),
-    Key("noncontig.dtensor_local", (8, 6), kind="mesh1", placements=(Shard(0),), layout="noncontig_local"),
-    Key("noncontig.dtensor_of_transposed", (6, 4), kind="mesh1", placements=(Shard(1),), layout="transposed"),
+    Key(
+        "noncontig.dtensor_local",
+        (8, 6),
+        kind="mesh1",
+        placements=(Shard(0),),
+        layout="noncontig_local",
+    ),
+    Key(
+        "noncontig.dtensor_of_transposed",
+        (6, 4),
+        kind="mesh1",
+        placements=(Shard(1),),
+        layout="transposed",
+    ),
     # tied weights
     Key("tied.embed", (10, 4)),
     Key("tied.lm_head", (10, 4), kind="tied", tied_to="tied.embed"),
@@ -111,10 +132,12 @@ KEYS: list[Key] = [
     # dtype matrix: an uneven row shard on the 1-D mesh, a 2-D mesh shard, and a plain scalar each
     *[
         k
-        for dtype, tag in zip(ALL_DTYPES, DTYPE_IDS)
+        for dtype, tag in zip(ALL_DTYPES, DTYPE_IDS, strict=True)
         for k in (
             Key(f"dtype.{tag}.rows", (5, 3), dtype, kind="mesh1", placements=(Shard(0),)),
-            Key(f"dtype.{tag}.mesh2d", (2, 7), dtype, kind="mesh2", placements=(Shard(1), Shard(0))),
+            Key(
+                f"dtype.{tag}.mesh2d", (2, 7), dtype, kind="mesh2", placements=(Shard(1), Shard(0))
+            ),
             Key(f"dtype.{tag}.scalar", (), dtype),
         )
     ],
@@ -169,7 +192,9 @@ def _shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ..
     return distribute_tensor(full, mesh, list(placements), src_data_rank=None)
 
 
-def build_saved_state_dict(rank: int, mesh1: DeviceMesh, mesh2: DeviceMesh) -> dict[str, torch.Tensor]:
+def build_saved_state_dict(
+    rank: int, mesh1: DeviceMesh, mesh2: DeviceMesh
+) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s state dict for the 4-rank save, in canonical key order."""
     sd: dict[str, torch.Tensor] = {}
     for key in KEYS:
@@ -186,7 +211,9 @@ def build_saved_state_dict(rank: int, mesh1: DeviceMesh, mesh2: DeviceMesh) -> d
             if key.layout == "noncontig_local":
                 local = dt.to_local().t().contiguous().t()  # same values, column-major strides
                 assert not local.is_contiguous()
-                dt = DTensor.from_local(local, mesh, key.placements, run_check=False, shape=dt.shape, stride=dt.stride())
+                dt = DTensor.from_local(
+                    local, mesh, key.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+                )
             sd[key.name] = dt
     return sd
 
@@ -212,7 +239,9 @@ def dest_placement(key: Key, position: int, world: int) -> Placement | str:
     return options[(position + world) % len(options)]
 
 
-def build_dest_state_dict(rank: int, world: int, mesh: DeviceMesh) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+def build_dest_state_dict(
+    rank: int, world: int, mesh: DeviceMesh
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """Zero-filled destinations, differently sharded than the save, and how each is held."""
     sd: dict[str, torch.Tensor] = {}
     how: dict[str, object] = {}
@@ -238,9 +267,14 @@ def build_dest_state_dict(rank: int, world: int, mesh: DeviceMesh) -> tuple[dict
 
 
 def check_dest(
-    sd: dict[str, torch.Tensor], how: dict[str, object], mesh: DeviceMesh, where: str, rounded: bool = False
+    sd: dict[str, torch.Tensor],
+    how: dict[str, object],
+    mesh: DeviceMesh,
+    where: str,
+    rounded: bool = False,
 ) -> list[tuple[str, str]]:
-    """``(key, message)`` for every destination that does not hold its original (or bf16-rounded) data."""
+    """``(key, message)`` for every destination that does not hold its original (or bf16-rounded)
+    data."""
     problems = []
     for name, value in sd.items():
         full = original(BY_NAME[name])
@@ -285,7 +319,9 @@ class _RecordingWriter(HFStorageWriter):
         written = [
             {"rank": rank, "key": item.key, "offset": list(item.offsets), "bytes": item.nbytes}
             for rank in range(len(results))
-            for item in RankRecord.decode((staging / rank_record_name(rank)).read_bytes(), "test").items
+            for item in RankRecord.decode(
+                (staging / rank_record_name(rank)).read_bytes(), "test"
+            ).items
         ]
         Path(self.record_to).write_text(json.dumps(written))
         super().finish(metadata, results)
@@ -299,24 +335,37 @@ def _save_on_4_ranks(rank: int, world: int, root: str) -> None:
     sd = build_saved_state_dict(rank, mesh1, mesh2)
     expected_locals = {n: v.to_local().clone() for n, v in sd.items() if isinstance(v, DTensor)}
 
-    dcp.save(sd, storage_writer=_RecordingWriter(str(out / "direct"), str(out / "written_direct.json"), max_shard_size=MAX_SHARD))
     dcp.save(
         sd,
         storage_writer=_RecordingWriter(
-            str(out / "staged"), str(out / "written_staged.json"), max_shard_size=MAX_SHARD, direct_write=False, thread_count=2
+            str(out / "direct"), str(out / "written_direct.json"), max_shard_size=MAX_SHARD
+        ),
+    )
+    dcp.save(
+        sd,
+        storage_writer=_RecordingWriter(
+            str(out / "staged"),
+            str(out / "written_staged.json"),
+            max_shard_size=MAX_SHARD,
+            direct_write=False,
+            thread_count=2,
         ),
     )
     for name, direct_write in (("mapped_direct", None), ("mapped_staged", False)):
         dcp.save(
             sd,
-            storage_writer=HFStorageWriter(str(out / name), max_shard_size=MAX_SHARD, direct_write=direct_write),
+            storage_writer=HFStorageWriter(
+                str(out / name), max_shard_size=MAX_SHARD, direct_write=direct_write
+            ),
             planner=HFSavePlanner(key_mapping=KEY_MAPPING, save_dtype=torch.bfloat16),
         )
 
     report: dict[str, list] = {"unchanged": check_unchanged(sd, f"rank {rank} after saving")}
     for name, local in expected_locals.items():
         try:
-            assert_same(sd[name].to_local(), local, f"rank {rank} after saving: local shard of {name!r}")
+            assert_same(
+                sd[name].to_local(), local, f"rank {rank} after saving: local shard of {name!r}"
+            )
         except AssertionError as exc:
             report["unchanged"].append((name, str(exc)))
 
@@ -329,9 +378,13 @@ def _save_on_4_ranks(rank: int, world: int, root: str) -> None:
         try:
             dcp.load(dest, storage_reader=HFStorageReader(str(out / folder)), planner=planner)
         except BaseException:  # noqa: BLE001 - CheckpointException; reported to the test below
-            report[stage] = [("*", f"rank {rank}: dcp.load({folder}) raised:\n{traceback.format_exc()}")]
+            report[stage] = [
+                ("*", f"rank {rank}: dcp.load({folder}) raised:\n{traceback.format_exc()}")
+            ]
             continue
-        report[stage] = check_dest(dest, how, mesh1, f"rank {rank} of {world}, {folder}", rounded=rounded)
+        report[stage] = check_dest(
+            dest, how, mesh1, f"rank {rank} of {world}, {folder}", rounded=rounded
+        )
     (out / f"report_rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -352,12 +405,22 @@ def _load_and_save_back(rank: int, world: int, ckpt4: str, out: str) -> None:
         storage_reader=HFStorageReader(str(Path(ckpt4) / "mapped_direct"), thread_count=1),
         planner=HFLoadPlanner(key_mapping=lambda fqn: KEY_MAPPING.get(fqn, fqn)),
     )
-    problems += check_dest(mapped, how_mapped, mesh, f"rank {rank} of {world}, mapped_direct", rounded=True)
+    problems += check_dest(
+        mapped, how_mapped, mesh, f"rank {rank} of {world}, mapped_direct", rounded=True
+    )
     assert not problems, "\n".join(msg for _, msg in problems)
 
     # ... and back: what was loaded, saved from this world size, must give the same files.
-    dcp.save(dest, storage_writer=HFStorageWriter(str(Path(out) / "back_direct"), max_shard_size=MAX_SHARD))
-    dcp.save(dest, storage_writer=HFStorageWriter(str(Path(out) / "back_staged"), max_shard_size=MAX_SHARD, direct_write=False))
+    dcp.save(
+        dest,
+        storage_writer=HFStorageWriter(str(Path(out) / "back_direct"), max_shard_size=MAX_SHARD),
+    )
+    dcp.save(
+        dest,
+        storage_writer=HFStorageWriter(
+            str(Path(out) / "back_staged"), max_shard_size=MAX_SHARD, direct_write=False
+        ),
+    )
 
 
 # -- tests ----------------------------------------------------------------------------------------
@@ -384,7 +447,11 @@ def test_files_hold_every_original_tensor(saved4: Path, variant: str) -> None:
     expected = originals()
     assert sorted(tensors) == sorted(expected)
     for name in expected:
-        assert_same(tensors[name], expected[name], f"{variant}: {name!r} ({BY_NAME[name].kind}, {BY_NAME[name].layout})")
+        assert_same(
+            tensors[name],
+            expected[name],
+            f"{variant}: {name!r} ({BY_NAME[name].kind}, {BY_NAME[name].layout})",
+        )
     # the commit leaves only the shards and the index behind (no staging folder, no temp files)
     names = sorted(p.name for p in (saved4 / variant).iterdir())
     assert names == sorted({*index["weight_map"].values(), "model.safetensors.index.json"})
@@ -404,7 +471,9 @@ def test_max_shard_size_gives_several_files(saved4: Path) -> None:
     for file in files:
         keys = [k for k, f in index["weight_map"].items() if f == file]
         nbytes = sum(tensors[k].numel() * tensors[k].element_size() for k in keys)
-        assert nbytes <= MAX_SHARD or len(keys) == 1, f"{file}: {nbytes} bytes of tensors in {len(keys)} keys"
+        assert nbytes <= MAX_SHARD or len(keys) == 1, (
+            f"{file}: {nbytes} bytes of tensors in {len(keys)} keys"
+        )
     # the 16 KB tensor exceeds MAX_SHARD: it gets a file of its own
     big = index["weight_map"]["big.rows"]
     assert [k for k, f in index["weight_map"].items() if f == big] == ["big.rows"]
@@ -412,7 +481,8 @@ def test_max_shard_size_gives_several_files(saved4: Path) -> None:
 
 @pytest.mark.parametrize("variant", ["direct", "staged"])
 def test_every_byte_written_exactly_once(saved4: Path, variant: str) -> None:
-    """Replicated tensors (plain on all ranks, Replicate DTensors, dp-replicated) are written by one rank."""
+    """Replicated tensors (plain on all ranks, Replicate DTensors, dp-replicated) are written by one
+    rank."""
     written = json.loads((saved4 / f"written_{variant}.json").read_text())
     per_key: dict[str, list[dict]] = {}
     for w in written:
@@ -422,11 +492,25 @@ def test_every_byte_written_exactly_once(saved4: Path, variant: str) -> None:
     for name, t in expected.items():
         ws = per_key.get(name, [])
         offsets = [tuple(w["offset"]) for w in ws]
-        assert len(offsets) == len(set(offsets)), f"{name!r}: the same chunk was written twice: {ws}"
+        assert len(offsets) == len(set(offsets)), (
+            f"{name!r}: the same chunk was written twice: {ws}"
+        )
         total = sum(w["bytes"] for w in ws)
-        assert total == t.numel() * t.element_size(), f"{name!r}: {total} bytes written for a {t.numel() * t.element_size()}-byte tensor: {ws}"
-    for name in ("dt.replicate", "dt.replicate_2d", "scalar.plain", "tied.embed", "noncontig.transposed", "partial.ranks0and2"):
-        assert len(per_key[name]) == 1, f"replicated {name!r} written by several ranks: {per_key[name]}"
+        assert total == t.numel() * t.element_size(), (
+            f"{name!r}: {total} bytes written for a {t.numel() * t.element_size()}-byte tensor: "
+            f"{ws}"
+        )
+    for name in (
+        "dt.replicate",
+        "dt.replicate_2d",
+        "scalar.plain",
+        "tied.embed",
+        "noncontig.transposed",
+        "partial.ranks0and2",
+    ):
+        assert len(per_key[name]) == 1, (
+            f"replicated {name!r} written by several ranks: {per_key[name]}"
+        )
     # dp-replicated tp shards: one writer per tp shard
     assert len(per_key["uneven.rows7_over2"]) == 2, per_key["uneven.rows7_over2"]
 

@@ -1,7 +1,7 @@
 """A job's ranks exit cleanly and the same way every time: nothing of the library is alive when
 the interpreter finalizes, and the last async save is committed, not cut off.
 
-Real processes (``tests/_exit_script.py``), started with ``subprocess`` so that Python's own
+Real processes (``tests/support/exit_script.py``), started with ``subprocess`` so that Python's own
 exit runs (multiprocessing's children leave through ``os._exit``, skipping it).
 """
 
@@ -18,14 +18,20 @@ from hf_dcp_storage import list_steps
 
 pytestmark = pytest.mark.distributed
 
-_SCRIPT = Path(__file__).with_name("_exit_script.py")
+_SCRIPT = Path(__file__).parent / "support" / "exit_script.py"
 
 
 def _run_job(tmp_path: Path, mode: str) -> list[subprocess.CompletedProcess]:
     rendezvous, run = tmp_path / "rendezvous", tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     procs = [
-        subprocess.Popen([sys.executable, str(_SCRIPT), str(r), "2", str(rendezvous), str(run), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(_SCRIPT), str(r), "2", str(rendezvous), str(run), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for r in range(2)
     ]
     out = []
@@ -36,9 +42,13 @@ def _run_job(tmp_path: Path, mode: str) -> list[subprocess.CompletedProcess]:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async-open"])
-def test_ranks_exit_with_nothing_of_ours_alive_and_the_last_step_committed(tmp_path: Path, mode: str) -> None:
+def test_ranks_exit_with_nothing_of_ours_alive_and_the_last_step_committed(
+    tmp_path: Path, mode: str
+) -> None:
     for rank, done in enumerate(_run_job(tmp_path, mode)):
-        story = f"rank {rank} ({mode}): exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+        story = (
+            f"rank {rank} ({mode}): exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+        )
         assert done.returncode == 0, story
         assert "terminate called" not in done.stderr and "Aborted" not in done.stderr, story
         assert "MAIN DONE" in done.stdout, story

@@ -1,4 +1,5 @@
-"""The fault-injection proxy (``_faultproxy.py``) in front of the moto server, driven by plain s3fs.
+"""The fault-injection proxy (``tests/support/faultproxy.py``) in front of the moto server, driven
+by plain s3fs.
 
 Proves that the proxy is transparent (bytes of puts, gets, ranged gets and multipart uploads come
 back equal; ``Expect: 100-continue``, chunked request bodies and keep-alive work), that each
@@ -19,8 +20,8 @@ import pytest
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from _faultproxy import Fault, FaultProxy  # noqa: E402
-from conftest import S3_BLOCK_SIZE, s3_storage_options  # noqa: E402
+from tests.support.faultproxy import Fault, FaultProxy  # noqa: E402
+from tests.support.storage_options import S3_BLOCK_SIZE, s3_storage_options  # noqa: E402
 
 MiB = 2**20
 
@@ -82,7 +83,10 @@ def test_pass_through(fs, proxy, bucket):
     _multipart(fs, f"{bucket}/big", big)
     assert fs.cat(f"{bucket}/small") == small
     assert fs.cat(f"{bucket}/big") == big
-    assert fs.cat_file(f"{bucket}/big", start=S3_BLOCK_SIZE - 10, end=S3_BLOCK_SIZE + 20) == big[S3_BLOCK_SIZE - 10 : S3_BLOCK_SIZE + 20]
+    assert (
+        fs.cat_file(f"{bucket}/big", start=S3_BLOCK_SIZE - 10, end=S3_BLOCK_SIZE + 20)
+        == big[S3_BLOCK_SIZE - 10 : S3_BLOCK_SIZE + 20]
+    )
 
     parts = _parts(proxy)
     assert sorted(len(r.body) for r in parts) == [MiB, S3_BLOCK_SIZE]  # a real two-part upload
@@ -93,7 +97,8 @@ def test_pass_through(fs, proxy, bucket):
 
 def test_expect_100_continue(fs, proxy, bucket):
     """botocore turns every PutObject/UploadPart body into a file object and sends ``Expect``;
-    aiohttp then waits for ``100 Continue`` before the body: without the proxy's answer these hang."""
+    aiohttp then waits for ``100 Continue`` before the body: without the proxy's answer these
+    hang."""
     data = os.urandom(4096)
     fs.pipe(f"{bucket}/k", data)
     fs.pipe(f"{bucket}/empty", b"")
@@ -114,7 +119,10 @@ def test_raw_expect_chunked_keepalive(proxy, bucket, direct_fs):
     host = proxy.endpoint.removeprefix("http://")
     with socket.create_connection(("127.0.0.1", int(host.split(":")[1])), timeout=5) as s:
         f = s.makefile("rb")
-        s.sendall(f"PUT /{bucket}/raw HTTP/1.1\r\nHost: {host}\r\nExpect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        s.sendall(
+            f"PUT /{bucket}/raw HTTP/1.1\r\nHost: {host}\r\nExpect: "
+            "100-continue\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
         assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"
         s.sendall(b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n")
         assert f.readline().startswith(b"HTTP/1.1 200")
@@ -124,7 +132,9 @@ def test_raw_expect_chunked_keepalive(proxy, bucket, direct_fs):
                 length = int(line.split(b":")[1])
         f.read(length)
         s.sendall(f"HEAD /{bucket}/raw HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-        assert f.readline().startswith(b"HTTP/1.1 ")  # unsigned: moto may answer 403; any answer will do
+        assert f.readline().startswith(
+            b"HTTP/1.1 "
+        )  # unsigned: moto may answer 403; any answer will do
     put, head = proxy.requests
     assert put.body == b"hello, world" and put.headers["transfer-encoding"] == "chunked"
     assert head.method == "HEAD"
@@ -163,7 +173,9 @@ def test_broken_get_is_retried(fs, proxy, bucket, kind, times):
     assert proxy.faults_fired() == {kind: times}
     gets = [r for r in proxy.requests if r.method == "GET"]
     broken = (kind, None, 0) if kind == "reset" else (kind, 200, MiB // 2)
-    assert [(r.fault, r.status, r.response_bytes) for r in gets] == [broken] * times + [(None, 200, MiB)]
+    assert [(r.fault, r.status, r.response_bytes) for r in gets] == [broken] * times + [
+        (None, 200, MiB)
+    ]
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT"])
@@ -198,7 +210,13 @@ def test_latency_and_matching(fs, proxy, bucket):
     assert fs.cat(f"{bucket}/k") == b"abc"
     assert time.monotonic() - t0 >= 0.3
 
-    f = Fault(kind="404", method="PUT", path="/b/", query_has="x-id=UploadPartCopy", header_has="X-Amz-Copy-Source")
+    f = Fault(
+        kind="404",
+        method="PUT",
+        path="/b/",
+        query_has="x-id=UploadPartCopy",
+        header_has="X-Amz-Copy-Source",
+    )
     hdrs = [("x-amz-copy-source", "b/src")]
     assert f.matches("PUT", "/b/k", [("partNumber", "1"), ("x-id", "UploadPartCopy")], hdrs)
     assert not f.matches("PUT", "/b/k", [("x-id", "UploadPart")], hdrs)

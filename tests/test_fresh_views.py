@@ -22,14 +22,40 @@ from hf_dcp_storage.io import fsio as _fsio
 
 # The fsspec calls that read a store's metadata or whole files (each may be answered from the
 # listings cache, or sized from it). Only io/fsio.py may make them, each after ``forget``.
-_METADATA_CALLS = {"exists", "lexists", "isdir", "isfile", "info", "size", "sizes", "ls", "find", "glob", "walk", "du", "cat", "cat_file", "open", "modified", "checksum", "ukey", "head", "tail", "expand_path"}
+_METADATA_CALLS = {
+    "exists",
+    "lexists",
+    "isdir",
+    "isfile",
+    "info",
+    "size",
+    "sizes",
+    "ls",
+    "find",
+    "glob",
+    "walk",
+    "du",
+    "cat",
+    "cat_file",
+    "open",
+    "modified",
+    "checksum",
+    "ukey",
+    "head",
+    "tail",
+    "expand_path",
+}
 
 
 def _fs_calls(tree: ast.AST) -> list[tuple[int, str]]:
     """``(line, call)`` of every ``<something fs>.<metadata call>(...)`` in a module."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _METADATA_CALLS:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _METADATA_CALLS
+        ):
             receiver = ast.unparse(node.func.value)
             if receiver.split(".")[-1].endswith("fs"):
                 found.append((node.lineno, f"{receiver}.{node.func.attr}"))
@@ -45,12 +71,19 @@ def test_only_fsio_queries_a_store_directly() -> None:
         calls = _fs_calls(ast.parse(path.read_text(), str(path)))
         if calls:
             offenders[str(path.relative_to(package))] = calls
-    assert offenders == {}, f"query the store through io/fsio.py (fresh, never from fsspec's listings cache): {offenders}"
+    assert offenders == {}, (
+        "query the store through io/fsio.py (fresh, never from fsspec's listings cache): "
+        f"{offenders}"
+    )
 
 
 def test_the_scan_sees_a_direct_call() -> None:
     # The check above must be able to fail.
-    assert _fs_calls(ast.parse("def f(self, fs):\n    fs.exists(p)\n    self.fs.find(p)\n    os.path.exists(p)\n")) == [(2, "fs.exists"), (3, "self.fs.find")]
+    assert _fs_calls(
+        ast.parse(
+            "def f(self, fs):\n    fs.exists(p)\n    self.fs.find(p)\n    os.path.exists(p)\n"
+        )
+    ) == [(2, "fs.exists"), (3, "self.fs.find")]
 
 
 def test_forget_drops_listings_of_every_folder_below() -> None:
@@ -69,7 +102,14 @@ def test_forget_drops_listings_of_every_folder_below() -> None:
                 p = p.rpartition("/")[0]
 
     fs = _Fs()
-    for key in ("b", "b/run", "b/run/step_1", "b/run/step_1/.hf_dcp_staging", "b/run/step_10", "b/other"):
+    for key in (
+        "b",
+        "b/run",
+        "b/run/step_1",
+        "b/run/step_1/.hf_dcp_staging",
+        "b/run/step_10",
+        "b/other",
+    ):
         fs.dircache[key] = []
     _fsio.forget(fs, "b/run/step_1")  # type: ignore[arg-type]
     assert sorted(fs.dircache) == ["b/other", "b/run/step_10"]
@@ -107,7 +147,9 @@ def bucket(s3_endpoint: str):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def test_every_query_sees_what_another_process_wrote_after_this_one_listed(s3_endpoint: str, bucket: str) -> None:
+def test_every_query_sees_what_another_process_wrote_after_this_one_listed(
+    s3_endpoint: str, bucket: str
+) -> None:
     import s3fs
 
     fs = s3fs.S3FileSystem(**_user_options(s3_endpoint))  # the process-wide instance a user gets
@@ -138,7 +180,9 @@ def test_every_query_sees_what_another_process_wrote_after_this_one_listed(s3_en
     other.pipe_file(f"{bucket}/run/step_2/c", b"3")
     assert _fsio.isdir(fs, f"{bucket}/run/step_2")
     assert "step_2" in _fsio.list_names(fs, f"{bucket}/run")
-    assert f"{bucket}/run/step_2" in {e["name"].rstrip("/") for e in _fsio.list_entries(fs, f"{bucket}/run")}
+    assert f"{bucket}/run/step_2" in {
+        e["name"].rstrip("/") for e in _fsio.list_entries(fs, f"{bucket}/run")
+    }
     prime()
     other.pipe_file(f"{d}/.hf_dcp_staging/x.rank00001", b"4")
     assert "x.rank00001" in {p.rsplit("/", 1)[1] for p in _fsio.find_entries(fs, d)}
@@ -164,8 +208,17 @@ def test_a_long_lived_process_sees_what_another_wrote(s3_endpoint: str, bucket: 
     assert manager.latest() is None  # this process has now listed the (empty) run folder
     # Another process saves step 1 completely.
     other = _other_process(s3_endpoint)
-    dcp.save({"w": torch.arange(6.0)}, storage_writer=HFStorageWriter(f"{run}/step_1", storage_options={**opts, "skip_instance_cache": True}), no_dist=True)
-    other.pipe_file(f"{bucket}/run/step_1/COMMITTED", json.dumps({"step": 1, "world_size": 1, "format": 1}).encode())
+    dcp.save(
+        {"w": torch.arange(6.0)},
+        storage_writer=HFStorageWriter(
+            f"{run}/step_1", storage_options={**opts, "skip_instance_cache": True}
+        ),
+        no_dist=True,
+    )
+    other.pipe_file(
+        f"{bucket}/run/step_1/COMMITTED",
+        json.dumps({"step": 1, "world_size": 1, "format": 1}).encode(),
+    )
     assert manager.latest() == 1
     assert [s.step for s in list_steps(run, storage_options=opts) if s.complete] == [1]
     # It also leaves junk in the step folder: this process must see it when it decides.

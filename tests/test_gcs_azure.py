@@ -23,12 +23,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as st_load
 
-from _checks import raises_in_checkpoint
-from _data import assert_same, folder_bytes, random_tensor
-from _dist import run_ranks
-from _faultproxy import Fault, FaultProxy
-from conftest import azure_options, gcs_options
 from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy
+from tests.support.checks import raises_in_checkpoint
+from tests.support.data import assert_same, folder_bytes, random_tensor
+from tests.support.dist import run_ranks
+from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.storage_options import azure_options, gcs_options
 
 INDEX = "model.safetensors.index.json"
 # The deadline only bounds a broken retry loop: attempts end these tests' retries, and a deadline
@@ -75,7 +75,7 @@ def _uncommitted(kind: str, url: str, options: dict, names: list[str]) -> dict[s
         container, _, blob = f"{root}/{name}".partition("/")
 
         async def ask() -> int:
-            async with fs.service_client.get_blob_client(container, blob) as bc:
+            async with fs.service_client.get_blob_client(container, blob) as bc:  # noqa: B023 - called within the iteration
                 try:
                     return len((await bc.get_block_list("uncommitted"))[1])
                 except Exception:  # noqa: BLE001 - no such blob: nothing uncommitted
@@ -99,43 +99,58 @@ def _state_dict(big_rows: int = 3072) -> dict[str, torch.Tensor]:
 
 
 def test_a_gcs_file_of_more_than_32_parts_is_composed_as_a_tree(gcs, monkeypatch, tmp_path) -> None:
-    from hf_dcp_storage.plan.s3parts import PartRules
+    from hf_dcp_storage.plan.parts import PartRules
     from hf_dcp_storage.stores import gcs as gcs_store
     from hf_dcp_storage.stores.gcs_requests import GCS
 
     bucket, options = gcs
     url = f"{bucket}/tree"
     # Our own part rules, smaller (a 5 MiB tensor in 80 parts): three levels of composes.
-    monkeypatch.setattr(gcs_store.GcsStore, "rules", PartRules(min_part=32 << 10, max_parts=10_000, rank_part=64 << 10))
+    monkeypatch.setattr(
+        gcs_store.GcsStore,
+        "rules",
+        PartRules(min_part=32 << 10, max_parts=10_000, rank_part=64 << 10),
+    )
     composes: list[tuple[str, int]] = []
     real = GCS.compose
-    monkeypatch.setattr(GCS, "compose", lambda self, target, sources: composes.append((target.rsplit("/", 1)[1], len(sources))) or real(self, target, sources))
-    sd = {"w": random_tensor((1280, 1024), torch.float32, 9), "b": random_tensor((1024,), torch.float32, 10)}
+    monkeypatch.setattr(
+        GCS,
+        "compose",
+        lambda self, target, sources: (
+            composes.append((target.rsplit("/", 1)[1], len(sources))) or real(self, target, sources)
+        ),
+    )
+    sd = {
+        "w": random_tensor((1280, 1024), torch.float32, 9),
+        "b": random_tensor((1024,), torch.float32, 10),
+    }
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options), no_dist=True)
     dcp.save(sd, storage_writer=HFStorageWriter(str(tmp_path / "local")), no_dist=True)
     assert max(n for _, n in composes) <= 32
     assert len([c for c in composes if c[0].endswith(".safetensors")]) == 1  # one final compose
     assert len(composes) == 4  # 81 parts: 3 composes of up to 32, then the file
-    assert _objects("gcs", url, options) == folder_bytes(tmp_path / "local")  # parts and intermediates gone
+    assert _objects("gcs", url, options) == folder_bytes(
+        tmp_path / "local"
+    )  # parts and intermediates gone
 
 
-# -- faults: the fault proxy in front of each server -------------------------------------------------
+# -- faults: the fault proxy in front of each server -----------------------------------------------
 
 
 @pytest.fixture(scope="module", params=["gcs", "azure"])
 def proxied_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, FaultProxy, dict, dict]]:
     """``(kind, proxy, options through the proxy, options straight to the server)``."""
-    import _objectservers
+    from tests.support import objectservers
 
     kind = request.param
     if kind == "gcs":
-        reason = _objectservers.gcs_unavailable()
+        reason = objectservers.gcs_unavailable()
         if reason:
             pytest.skip(f"GCS: {reason}")
         # Its own server, whose resumable uploads name the proxy as their Location.
-        port = _objectservers.free_port()
+        port = objectservers.free_port()
         with FaultProxy(upstream=f"http://127.0.0.1:{port}") as proxy:
-            endpoint, stop = _objectservers.start_fake_gcs(external_url=proxy.endpoint, port=port)
+            endpoint, stop = objectservers.start_fake_gcs(external_url=proxy.endpoint, port=port)
             try:
                 yield kind, proxy, gcs_options(proxy.endpoint), gcs_options(endpoint)
             finally:
@@ -143,7 +158,12 @@ def proxied_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, FaultP
         return
     endpoint = request.getfixturevalue("azure_endpoint")
     with FaultProxy(upstream=endpoint.rsplit("/", 1)[0]) as proxy:
-        yield kind, proxy, azure_options(f"{proxy.endpoint}/{_objectservers.AZURITE_ACCOUNT}"), azure_options(endpoint)
+        yield (
+            kind,
+            proxy,
+            azure_options(f"{proxy.endpoint}/{objectservers.AZURITE_ACCOUNT}"),
+            azure_options(endpoint),
+        )
 
 
 @pytest.fixture
@@ -163,12 +183,21 @@ def _part_kinds(kind: str) -> dict[str, dict]:
     """Fault matchers by request kind, per store."""
     if kind == "gcs":
         return {
-            "part": {"method": "PUT", "path": r"/upload/"},  # a resumable chunk (parts over 8 MiB, staged streams)
+            "part": {
+                "method": "PUT",
+                "path": r"/upload/",
+            },  # a resumable chunk (parts over 8 MiB, staged streams)
             "small": {"method": "POST", "path": r"/upload/", "query_has": "uploadType=media"},
             "staged read": {"method": "GET", "path": r"\.rank\d+$"},
             "assemble": {"method": "POST", "path": r"/compose$"},
             "index": {"method": "POST", "query_has": f"name=run/step_1/{INDEX}"},
-            "denied": {"method": "POST", "query_re": r"^name=run/step_1/\.hf_dcp_staging/parts/[0-9a-f]+/model-00001-of-00001\.safetensors\.part00002$"},
+            "denied": {
+                "method": "POST",
+                "query_re": (
+                    r"^name=run/step_1/\.hf_dcp_staging/parts/[0-9a-f]+/"
+                    r"model-00001-of-00001\.safetensors\.part00002$"
+                ),
+            },
         }
     return {
         "part": {"method": "PUT", "query_has": "comp=block"},
@@ -176,7 +205,11 @@ def _part_kinds(kind: str) -> dict[str, dict]:
         "staged read": {"method": "GET", "path": r"\.rank\d+$"},
         "assemble": {"method": "PUT", "query_has": "comp=blocklist"},
         "index": {"method": "PUT", "path": INDEX + "$"},
-        "denied": {"method": "PUT", "query_has": "comp=block", "path": r"model-00001-of-00001\.safetensors$"},
+        "denied": {
+            "method": "PUT",
+            "query_has": "comp=block",
+            "path": r"model-00001-of-00001\.safetensors$",
+        },
     }
 
 
@@ -190,25 +223,47 @@ def _save_load_on_ranks(rank: int, world: int, url: str, options: dict, local: s
 
     mesh = init_device_mesh("cpu", (world,))
     full = _state_dict(BIG_ROWS)
-    sd = {k: distribute_tensor(v, mesh, [Shard(1 if k == "cols" else 0)], src_data_rank=None) for k, v in full.items()}
+    sd = {
+        k: distribute_tensor(v, mesh, [Shard(1 if k == "cols" else 0)], src_data_rank=None)
+        for k, v in full.items()
+    }
     writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2)
     meta = dcp.save(sd, storage_writer=writer)
     if rank == 0:
         stats = writer.merge_stats
         total = sum(v.numel() * v.element_size() for v in full.values())
         assert stats.rank_part_bytes + stats.client_bytes == stats.total_bytes > total, stats
-        assert 0 < stats.client_bytes < 0.1 * total and stats.rank_part_bytes > 0.9 * total, stats  # cols, norm, head gathered
-        assert sum(stats.by_rank.values()) == stats.client_bytes == meta.storage_data["hf_dcp_storage.merge_stats"]["client_bytes"]
+        assert 0 < stats.client_bytes < 0.1 * total and stats.rank_part_bytes > 0.9 * total, (
+            stats
+        )  # cols, norm, head gathered
+        assert (
+            sum(stats.by_rank.values())
+            == stats.client_bytes
+            == meta.storage_data["hf_dcp_storage.merge_stats"]["client_bytes"]
+        )
     dcp.save(sd, storage_writer=HFStorageWriter(local))
     # Resharded: rows saved by rank become columns loaded, and the other way round.
-    dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0 if k == "cols" else v.dim() - 1)], src_data_rank=None) for k, v in full.items()}
-    dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options, retry=FAST_RETRY, verify=True))
+    dest = {
+        k: distribute_tensor(
+            torch.zeros_like(v),
+            mesh,
+            [Shard(0 if k == "cols" else v.dim() - 1)],
+            src_data_rank=None,
+        )
+        for k, v in full.items()
+    }
+    dcp.load(
+        dest,
+        storage_reader=HFStorageReader(url, storage_options=options, retry=FAST_RETRY, verify=True),
+    )
     for k, v in full.items():
         assert_same(dest[k].full_tensor(), v, k)
 
 
 @pytest.mark.distributed
-def test_two_ranks_consolidate_server_side_through_transient_faults_then_load_resharded(proxied, tmp_path) -> None:
+def test_two_ranks_consolidate_server_side_through_transient_faults_then_load_resharded(
+    proxied, tmp_path
+) -> None:
     """Two ranks save through faults on each kind of request (their parts, the gathering reads
     of staged runs, the assembly, the commit), load resharded; then one process loads through
     faults on its reads. The files are byte-identical to a save on local disk."""
@@ -225,7 +280,9 @@ def test_two_ranks_consolidate_server_side_through_transient_faults_then_load_re
     run_ranks(_save_load_on_ranks, 2, url, options, str(tmp_path / "local"))
     assert [f.fired for f in faults] == [2, 1, 1, 1, 1]
     objects = _objects(kind, url, direct)
-    assert objects == folder_bytes(tmp_path / "local")  # byte-identical to positioned writes on disk; no staging left
+    assert objects == folder_bytes(
+        tmp_path / "local"
+    )  # byte-identical to positioned writes on disk; no staging left
     tensors = st_load(objects["model-00001-of-00001.safetensors"])
     assert all(torch.equal(tensors[k], v) for k, v in _state_dict(BIG_ROWS).items())
     assert _uncommitted(kind, url, direct, ["model-00001-of-00001.safetensors"]) == {}
@@ -233,7 +290,11 @@ def test_two_ranks_consolidate_server_side_through_transient_faults_then_load_re
     read = proxy.add_fault(Fault("503", method="GET", path=r"safetensors$", times=2))
     cut = proxy.add_fault(Fault("truncate", method="GET", path=r"safetensors$", times=1))
     out = {k: torch.zeros_like(v) for k, v in _state_dict(BIG_ROWS).items()}
-    dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options, retry=FAST_RETRY, verify=True), no_dist=True)
+    dcp.load(
+        out,
+        storage_reader=HFStorageReader(url, storage_options=options, retry=FAST_RETRY, verify=True),
+        no_dist=True,
+    )
     assert (read.fired, cut.fired) == (2, 1)
     for k, v in _state_dict(BIG_ROWS).items():
         assert_same(out[k], v, k)
@@ -246,11 +307,19 @@ def test_a_persistent_503_fails_after_the_policy_naming_operation_and_url(proxie
     # Every attempt the policy allows (then the clean-up's own requests get through).
     fault = proxy.add_fault(Fault("503", **m["assemble"], times=FAST_RETRY.max_attempts))
     op = r"compose 1 objects into gs://" if kind == "gcs" else r"Put Block List \(1 blocks\) az://"
-    with raises_in_checkpoint(OSError, op + r".*/run/step_1/model-00001-of-00001\.safetensors failed after 6 attempt\(s\)"):
-        dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY), no_dist=True)
+    with raises_in_checkpoint(
+        OSError, op + r".*/run/step_1/model-00001-of-00001\.safetensors failed after 6 attempt\(s\)"
+    ):
+        dcp.save(
+            _state_dict(),
+            storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY),
+            no_dist=True,
+        )
     assert fault.fired == 6  # counted, not timed: exactly the attempts the policy allows
     left = _objects(kind, url, direct)
-    assert INDEX not in left and not [k for k in left if "/parts/" in k or "/compose/" in k], sorted(left)
+    assert INDEX not in left and not [k for k in left if "/parts/" in k or "/compose/" in k], (
+        sorted(left)
+    )
     assert _uncommitted(kind, url, direct, ["model-00001-of-00001.safetensors"]) == {}
 
 
@@ -258,14 +327,32 @@ def test_access_denied_fails_at_once_leaves_no_parts_and_the_next_save_clears_up
     kind, proxy, bucket, options, direct = proxied
     url = f"{bucket}/run/step_1"
     # The second part upload of the file is refused (403): never retried.
-    fault = proxy.add_fault(Fault("403", **_part_kinds(kind)["denied"], times=1))  # a retry would succeed
+    fault = proxy.add_fault(
+        Fault("403", **_part_kinds(kind)["denied"], times=1)
+    )  # a retry would succeed
     sd = _state_dict(BIG_ROWS)
-    op = r"start a resumable upload of gs://.*/parts/[0-9a-f]+/model-00001-of-00001\.safetensors\.part\d+" if kind == "gcs" else r"Put Block az://.*/run/step_1/model-00001-of-00001\.safetensors"
-    with raises_in_checkpoint(PermissionError, "(?s)" + op + r" failed: .*\(not retried: the error is permanent\)"):
-        dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0)), no_dist=True)
-    assert fault.fired == 1  # counted, not timed: refused once, never retried (a retry would succeed)
+    op = (
+        r"start a resumable upload of gs://.*/parts/[0-9a-f]+/model-00001-of-00001\.safetensors\.part\d+"
+        if kind == "gcs"
+        else r"Put Block az://.*/run/step_1/model-00001-of-00001\.safetensors"
+    )
+    with raises_in_checkpoint(
+        PermissionError, "(?s)" + op + r" failed: .*\(not retried: the error is permanent\)"
+    ):
+        dcp.save(
+            sd,
+            storage_writer=HFStorageWriter(
+                url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0)
+            ),
+            no_dist=True,
+        )
+    assert (
+        fault.fired == 1
+    )  # counted, not timed: refused once, never retried (a retry would succeed)
     left = _objects(kind, url, direct)
-    assert INDEX not in left and not [k for k in left if "/parts/" in k or "/compose/" in k], sorted(left)
+    assert INDEX not in left and not [k for k in left if "/parts/" in k or "/compose/" in k], (
+        sorted(left)
+    )
     assert _uncommitted(kind, url, direct, ["model-00001-of-00001.safetensors"]) == {}
     proxy.clear()
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options), no_dist=True)
@@ -275,14 +362,27 @@ def test_access_denied_fails_at_once_leaves_no_parts_and_the_next_save_clears_up
 def test_the_store_kind_follows_the_filesystem(gcs, azure) -> None:
     from hf_dcp_storage.io import fsio
     from hf_dcp_storage.stores import open_store, ranges_for
-    from hf_dcp_storage.stores.azure import AzureRanges, AzureStore
-    from hf_dcp_storage.stores.gcs import GcsRanges, GcsStore
+    from hf_dcp_storage.stores.azure import AzureStore
+    from hf_dcp_storage.stores.azure_requests import Azure
+    from hf_dcp_storage.stores.gcs import GcsStore
+    from hf_dcp_storage.stores.gcs_requests import GCS
+    from hf_dcp_storage.stores.parts import ClientRanges
 
-    for (url, options), store_kind, ranges_kind in ((gcs, GcsStore, GcsRanges), (azure, AzureStore, AzureRanges)):
+    for (url, options), store_kind, client_kind in (
+        (gcs, GcsStore, GCS),
+        (azure, AzureStore, Azure),
+    ):
         fs, root = fsio.resolve(url + "/x", options)
-        assert type(open_store(fs, root, direct_write=None, retry=RetryPolicy(), threads=1)) is store_kind
-        assert type(ranges_for(fs, RetryPolicy())) is ranges_kind
-        with pytest.raises(ValueError, match=r"direct_write=True needs positioned writes, which .* does not support"):
+        assert (
+            type(open_store(fs, root, direct_write=None, retry=RetryPolicy(), threads=1))
+            is store_kind
+        )
+        ranges = ranges_for(fs, RetryPolicy())  # the store's own retried ranged GETs
+        assert type(ranges) is ClientRanges and type(ranges.client) is client_kind
+        with pytest.raises(
+            ValueError,
+            match=r"direct_write=True needs positioned writes, which .* does not support",
+        ):
             open_store(fs, root, direct_write=True, retry=RetryPolicy(), threads=1)
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from _data import read_checkpoint
 from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter
 from hf_dcp_storage.io.hostbuf import HostBuffers, from_host, to_host
+from tests.support.data import read_checkpoint
 
 
 def test_pool_makes_at_most_count_buffers_and_blocks_until_one_is_released() -> None:
@@ -24,7 +24,9 @@ def test_pool_makes_at_most_count_buffers_and_blocks_until_one_is_released() -> 
     waiter.join(0.2)
     assert waiter.is_alive() and pool.made == 2  # blocked: both buffers are out
     pool.release(a)
-    waiter.join(60)  # a bound on a hang, not a speed: it returns as soon as the thread has the buffer
+    waiter.join(
+        60
+    )  # a bound on a hang, not a speed: it returns as soon as the thread has the buffer
     assert got and got[0].data_ptr() == a.data_ptr()  # the same buffer, reused
     big = pool.acquire(4096)  # larger than a pooled buffer: a one-off, not counted
     assert big.numel() == 4096 and pool.made == 2

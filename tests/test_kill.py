@@ -1,9 +1,9 @@
 """Kill tests: SIGKILL of the whole job or of one rank at moments spread over a save.
 
-The chain of jobs and every check live in ``_killchain.py`` (shared with
-``scripts/kill_matrix.py``, which runs the full matrix and writes the results file). Here: every
-moment with the whole job killed, and the moments where one rank dies alone that differ most
-(the coordinator while planning, a rank mid-write, a rank before the ranks meet, the
+The chain of jobs and every check live in ``tests/support/killchain.py`` (shared with
+``scripts/experiments/kill_matrix.py``, which runs the full matrix and writes the results file).
+Here: every moment with the whole job killed, and the moments where one rank dies alone that differ
+most (the coordinator while planning, a rank mid-write, a rank before the ranks meet, the
 coordinator while pruning), on local disk and S3; and a bare writer save followed by
 ``hf-dcp consolidate``.
 """
@@ -15,17 +15,17 @@ import uuid
 import pytest
 import torch
 
-from _jobs import run_job
-from _killchain import bare_kill, kill_chain, moments_for, open_uploads, summary
-from _killpoints import MOMENTS, arm
+from tests.support.jobs import run_job
+from tests.support.killchain import bare_kill, kill_chain, moments_for, open_uploads, summary
+from tests.support.killpoints import MOMENTS, arm
 
 pytestmark = pytest.mark.distributed
 
-# The suite's share of the matrix (scripts/kill_matrix.py runs every moment x kind x store, and
-# radosgw): every moment with the whole job killed on local disk; on S3 (moto) the moments where
-# S3 differs (open uploads, gathering, completing, the commit, pruning); one rank alone where
-# the survivors' path differs most (the coordinator while planning, a rank mid-write, before
-# the ranks meet, the coordinator while pruning).
+# The suite's share of the matrix (scripts/experiments/kill_matrix.py runs every moment x kind x
+# store, and radosgw): every moment with the whole job killed on local disk; on S3 (moto) the
+# moments where S3 differs (open uploads, gathering, completing, the commit, pruning); one rank
+# alone where the survivors' path differs most (the coordinator while planning, a rank mid-write,
+# before the ranks meet, the coordinator while pruning).
 _S3_JOB = ("record-written", "finishing", "completing", "index-written", "before-commit", "pruning")
 _LOCAL_RANK = ("planning", "early-write", "late-write", "pruning")
 _S3_RANK = ("finishing",)
@@ -39,7 +39,9 @@ def _run(kind: str, moments: tuple[str, ...], url: str, options: dict | None, sc
     assert all(o.survived for o in outcomes), summary(outcomes)
 
 
-@pytest.mark.parametrize("kind, moments", [("job", MOMENTS), ("rank", _LOCAL_RANK)], ids=["whole-job", "one-rank"])
+@pytest.mark.parametrize(
+    "kind, moments", [("job", MOMENTS), ("rank", _LOCAL_RANK)], ids=["whole-job", "one-rank"]
+)
 def test_kills_on_local_disk(tmp_path, kind: str, moments: tuple[str, ...]) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -47,7 +49,9 @@ def test_kills_on_local_disk(tmp_path, kind: str, moments: tuple[str, ...]) -> N
 
 
 @moto_only
-@pytest.mark.parametrize("kind, moments", [("job", _S3_JOB), ("rank", _S3_RANK)], ids=["whole-job", "one-rank"])
+@pytest.mark.parametrize(
+    "kind, moments", [("job", _S3_JOB), ("rank", _S3_RANK)], ids=["whole-job", "one-rank"]
+)
 def test_kills_on_s3(s3, tmp_path, kind: str, moments: tuple[str, ...]) -> None:
     bucket, options = s3
     _run(kind, moments, f"{bucket}/run-{uuid.uuid4().hex[:8]}", options, str(tmp_path))
@@ -76,13 +80,23 @@ def _save_two_files(rank: int, world: int, url: str, options: dict, seed: int, k
     if kill:
         arm("completing", "job", rank)
     mesh = init_device_mesh("cpu", (world,))
-    sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in _two_big_files(seed).items()}
-    dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size="8MB", overwrite=True))
+    sd = {
+        k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None)
+        for k, v in _two_big_files(seed).items()
+    }
+    dcp.save(
+        sd,
+        storage_writer=HFStorageWriter(
+            url, storage_options=options, max_shard_size="8MB", overwrite=True
+        ),
+    )
 
 
 @moto_only
 @pytest.mark.parametrize("lost", [False, True], ids=["finished", "an-upload-lost"])
-def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_taken_for_it(s3, lost: bool) -> None:
+def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_taken_for_it(
+    s3, lost: bool
+) -> None:
     # The path holds an older checkpoint with the same layout (same file names and sizes); the
     # new save dies after completing its first file's upload, its second still open.
     import s3fs
@@ -102,18 +116,25 @@ def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_ta
         # A lifecycle rule (or a later save) aborted the open upload: the old object of that
         # name, the same size, must not pass for the new save's file.
         from hf_dcp_storage.io.retry import RetryPolicy
-        from hf_dcp_storage.stores.s3_requests import s3_for
+        from hf_dcp_storage.stores.s3_requests import S3
 
-        s3 = s3_for(fs, RetryPolicy())
+        s3 = S3(fs, RetryPolicy())
         for key, upload_id in s3.list_uploads(url.removeprefix("s3://") + "/"):
             s3.abort_upload(f"{url.removeprefix('s3://').split('/')[0]}/{key}", upload_id)
-        with pytest.raises(ValueError, match=r"multipart uploads of \['model-00002-of-00002.safetensors'\] no longer exist"):
+        with pytest.raises(
+            ValueError,
+            match=r"multipart uploads of \['model-00002-of-00002.safetensors'\] no longer exist",
+        ):
             consolidate_checkpoint(url, storage_options=options)
         assert not fs.exists(f"{url}/{INDEX_NAME}")
         return
     consolidate_checkpoint(url, storage_options=options)
     dest = {k: torch.zeros_like(v) for k, v in _two_big_files(2).items()}
-    dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options, verify=True), no_dist=True)
+    dcp.load(
+        dest,
+        storage_reader=HFStorageReader(url, storage_options=options, verify=True),
+        no_dist=True,
+    )
     assert all(torch.equal(dest[k], v) for k, v in _two_big_files(2).items())
     assert open_uploads(url, options) == []
 
@@ -121,13 +142,14 @@ def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_ta
 # GCS and Azure (fake-gcs-server, Azurite): a bare save killed while the coordinator assembles
 # the files (GCS: composed the first, Azure: committed the first block list), then consolidated
 # from the records (assembled again: idempotent) and saved again. Every moment x kind on both,
-# manager saves too: scripts/kill_matrix.py --stores gcs,azure.
+# manager saves too: scripts/experiments/kill_matrix.py --stores gcs,azure.
 @pytest.mark.parametrize("store", ["gcs", "azure"])
-def test_a_bare_save_killed_while_assembling_is_consolidated_on_gcs_and_azure(request, store: str) -> None:
+def test_a_bare_save_killed_while_assembling_is_consolidated_on_gcs_and_azure(
+    request, store: str
+) -> None:
     bucket, options = request.getfixturevalue(store)
     outcome = bare_kill(f"{bucket}/bare-{uuid.uuid4().hex[:8]}", options, "completing", "job")
     assert outcome.survived, summary([outcome])
-
 
 
 def test_fake_gcs_server_ignores_the_generation_preconditions_of_compose_sources(gcs) -> None:
@@ -159,21 +181,34 @@ def test_a_gcs_part_changed_after_its_upload_never_enters_a_committed_file(gcs) 
     # does not: consolidate must refuse to commit what they compose, not write an index for it.
     import gcsfs
 
-    from _killchain import _bare_job
     from hf_dcp_storage import consolidate_checkpoint
     from hf_dcp_storage.format.index import INDEX_NAME
+    from tests.support.killchain import _bare_job
 
     bucket, options = gcs
     url = f"{bucket}/swapped-{uuid.uuid4().hex[:8]}"
-    assert run_job(_bare_job, 2, url, options, ("before-index", "job"), timeout=120).how() == ["killed", "killed"]
+    assert run_job(_bare_job, 2, url, options, ("before-index", "job"), timeout=120).how() == [
+        "killed",
+        "killed",
+    ]
     fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
     root = url.removeprefix("gs://")
-    parts = sorted(p for p in fs.find(f"{root}/.hf_dcp_staging/parts") if "/model-00001-of-00002.safetensors.part" in p)
+    parts = sorted(
+        p
+        for p in fs.find(f"{root}/.hf_dcp_staging/parts")
+        if "/model-00001-of-00002.safetensors.part" in p
+    )
     assert len(parts) == 2, parts
     one, two = fs.cat_file(parts[0]), fs.cat_file(parts[1])
     fs.pipe_file(parts[0], two)
     fs.pipe_file(parts[1], one)
-    with pytest.raises(RuntimeError, match=r"model-00001-of-00002.safetensors: composed from its 2 parts, it is not their bytes in order"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"model-00001-of-00002.safetensors: composed from its 2 parts, it is not their bytes "
+        r"in order",
+    ):
         consolidate_checkpoint(url, storage_options=options)
     fs.invalidate_cache()
-    assert not fs.exists(f"{root}/{INDEX_NAME}") and not fs.exists(f"{root}/model-00001-of-00002.safetensors")
+    assert not fs.exists(f"{root}/{INDEX_NAME}") and not fs.exists(
+        f"{root}/model-00001-of-00002.safetensors"
+    )

@@ -1,11 +1,13 @@
-"""What a load sends through DCP's global step: no read items (``HFStorageReader.prepare_local_plan``
-keeps them on the rank), so the coordinator never holds every rank's plan; the load is unchanged."""
+"""What a load sends through DCP's global step: no read items
+(``HFStorageReader.prepare_local_plan`` keeps them on the rank), so the coordinator never holds
+every rank's plan; the load is unchanged."""
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -15,14 +17,14 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
+from tests.support.dist import run_ranks
 
 
 class _Recording(DefaultLoadPlanner):
     """A load planner that notes, on the coordinator, the size of what its global step received."""
 
-    seen: list[tuple[int, int]] = []
+    seen: ClassVar[list[tuple[int, int]]] = []
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         type(self).seen = [(len(p.items), len(pickle.dumps(p))) for p in global_plan]
@@ -39,7 +41,10 @@ SHAPES = {"a": (37, 16), "b": (8, 64), "c": (5,)}
 
 def _load_on_ranks(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    dest = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(0)], src_data_rank=None) for k, s in SHAPES.items()}
+    dest = {
+        k: distribute_tensor(torch.zeros(s), mesh, [Shard(0)], src_data_rank=None)
+        for k, s in SHAPES.items()
+    }
     planner = _Recording()
     dcp.load(dest, storage_reader=HFStorageReader(root), planner=planner)
     for k, s in SHAPES.items():
@@ -51,7 +56,10 @@ def _load_on_ranks(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.distributed
 def test_the_global_load_step_gets_no_read_items_and_every_rank_loads(tmp_path: Path) -> None:
-    dcp.save({k: _full(k, s) for k, s in SHAPES.items()}, storage_writer=HFStorageWriter(tmp_path / "ckpt"))
+    dcp.save(
+        {k: _full(k, s) for k, s in SHAPES.items()},
+        storage_writer=HFStorageWriter(tmp_path / "ckpt"),
+    )
     run_ranks(_load_on_ranks, 3, str(tmp_path / "ckpt"))
 
 

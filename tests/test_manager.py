@@ -10,15 +10,27 @@ import numpy as np
 import pytest
 import torch
 
-from _data import assert_same, read_checkpoint
 from hf_dcp_storage import CheckpointManager
 from hf_dcp_storage.steps.retention import RetentionPolicy, parse_step, step_name, to_remove
-
+from tests.support.data import assert_same, read_checkpoint
 
 # -- pure rules ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,step", [("step_0", 0), ("step_7", 7), ("step_1000", 1000), ("step_01", None), ("step_-1", None), ("step_5.tmp", None), ("Step_5", None), ("step_", None), ("xstep_5", None)])
+@pytest.mark.parametrize(
+    "name,step",
+    [
+        ("step_0", 0),
+        ("step_7", 7),
+        ("step_1000", 1000),
+        ("step_01", None),
+        ("step_-1", None),
+        ("step_5.tmp", None),
+        ("Step_5", None),
+        ("step_", None),
+        ("xstep_5", None),
+    ],
+)
 def test_step_names_are_parsed_strictly(name: str, step: int | None) -> None:
     assert parse_step(name) == step
 
@@ -32,7 +44,11 @@ def test_bad_steps_are_refused(bad) -> None:
 def test_retention_keeps_newest_multiples_and_in_flight() -> None:
     steps = {0: True, 100: True, 200: False, 300: True, 400: True, 500: True, 600: False}
     assert to_remove(steps, RetentionPolicy(2)) == [0, 100, 200, 300, 600]
-    assert to_remove(steps, RetentionPolicy(2, keep_every=300)) == [100, 200, 600]  # 0 and 300 kept forever
+    assert to_remove(steps, RetentionPolicy(2, keep_every=300)) == [
+        100,
+        200,
+        600,
+    ]  # 0 and 300 kept forever
     assert to_remove(steps, RetentionPolicy(2), in_flight=[600]) == [0, 100, 200, 300]
     with pytest.raises(ValueError, match=r"keep_last_n=0 must be an int >= 1"):
         RetentionPolicy(0)
@@ -48,7 +64,12 @@ class _Counter:
     def __init__(self) -> None:
         self.seen = 0
         self.weights = torch.zeros(3)
-        self.extra = {"best": math.inf, "ids": (1, 2), 7: "seven", "loader": b"\x80\x05\x95\x00 not utf-8 \xff"}
+        self.extra = {
+            "best": math.inf,
+            "ids": (1, 2),
+            7: "seven",
+            "loader": b"\x80\x05\x95\x00 not utf-8 \xff",
+        }
 
     def state_dict(self) -> dict:
         return {"seen": self.seen, "weights": self.weights, "extra": self.extra}
@@ -59,7 +80,10 @@ class _Counter:
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"model.embed.weight": torch.randn(16, 8, generator=g), "model.norm.weight": torch.randn(8, generator=g)}
+    return {
+        "model.embed.weight": torch.randn(16, 8, generator=g),
+        "model.norm.weight": torch.randn(8, generator=g),
+    }
 
 
 def test_save_load_latest_retention_and_exact_rng(url: str) -> None:
@@ -73,13 +97,20 @@ def test_save_load_latest_retention_and_exact_rng(url: str) -> None:
     for step in (10, 20, 30):
         counter.seen = step
         counter.weights = torch.full((3,), float(step))
-        mgr.save(step, _model(step), {"optim": opt, "counter": counter, "epoch": step // 10, "note": "x"})
+        mgr.save(
+            step, _model(step), {"optim": opt, "counter": counter, "epoch": step // 10, "note": "x"}
+        )
     assert mgr.all_checkpoints() == [20, 30]  # keep_last_n=2: step 10 pruned
     assert mgr.latest() == 30
     # The step folder is a plain HF checkpoint; the training state sits inside it.
     fs, root = fsspec.core.url_to_fs(url)
     names = sorted(n.rsplit("/", 1)[-1] for n in fs.ls(f"{root}/step_30", detail=False))
-    assert names == ["COMMITTED", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "training_state"]
+    assert names == [
+        "COMMITTED",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+        "training_state",
+    ]
 
     # Draws after the save must be replayed after the load.
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
@@ -95,7 +126,12 @@ def test_save_load_latest_retention_and_exact_rng(url: str) -> None:
     for k, v in _model(40).items():
         assert_same(new_model[k], v, k)
     assert new_counter.seen == 30 and torch.equal(new_counter.weights, torch.full((3,), 30.0))
-    assert new_counter.extra == {"best": math.inf, "ids": (1, 2), 7: "seven", "loader": b"\x80\x05\x95\x00 not utf-8 \xff"}
+    assert new_counter.extra == {
+        "best": math.inf,
+        "ids": (1, 2),
+        7: "seven",
+        "loader": b"\x80\x05\x95\x00 not utf-8 \xff",
+    }
 
     # An older step with the optimizer, into a fresh optimizer (state not created yet).
     model2 = torch.nn.Linear(4, 3)
@@ -105,7 +141,10 @@ def test_save_load_latest_retention_and_exact_rng(url: str) -> None:
     assert plain["epoch"] == 3 and plain["note"] == "x"
     ref = opt.state_dict()
     got = opt2.state_dict()
-    assert got["param_groups"][0]["lr"] == 0.1 and got["param_groups"][0]["betas"] == ref["param_groups"][0]["betas"]
+    assert (
+        got["param_groups"][0]["lr"] == 0.1
+        and got["param_groups"][0]["betas"] == ref["param_groups"][0]["betas"]
+    )
     for pid, st in ref["state"].items():
         for name, t in st.items():
             assert torch.equal(got["state"][pid][name], t), (pid, name)
@@ -114,7 +153,7 @@ def test_save_load_latest_retention_and_exact_rng(url: str) -> None:
 def test_weights_load_with_plain_hf_tools(tmp_path) -> None:
     mgr = CheckpointManager(str(tmp_path / "run"))
     mgr.save(5, _model(5), {"opt": {"lr": 0.1}})
-    tensors, index = read_checkpoint(tmp_path / "run" / "step_5")
+    tensors, _index = read_checkpoint(tmp_path / "run" / "step_5")
     assert set(tensors) == set(_model(5))  # no training state in the model files
 
 
@@ -129,7 +168,9 @@ def test_incomplete_steps_are_invisible_and_pruned_and_other_folders_untouched(t
     (root / "logs").mkdir()
     (root / "notes.txt").write_text("keep me")
     assert mgr.latest() == 1
-    with pytest.raises(FileNotFoundError, match=r"step 2 is not a complete checkpoint here; complete steps: \[1\]"):
+    with pytest.raises(
+        FileNotFoundError, match=r"step 2 is not a complete checkpoint here; complete steps: \[1\]"
+    ):
         mgr.load(_model(0), step=2)
     mgr.save(3, _model(3))
     assert sorted(p.name for p in root.iterdir()) == ["logs", "notes.txt", "step_02", "step_3"]
@@ -140,9 +181,17 @@ def test_refusals_come_before_anything_is_written(tmp_path) -> None:
     mgr = CheckpointManager(str(root))
     mgr.save(1, _model(1))
     before = sorted(str(p) for p in root.rglob("*"))
-    with pytest.raises(TypeError, match=r"training state 'sched.fn' is a function, which is saved neither as a tensor nor as JSON"):
+    with pytest.raises(
+        TypeError,
+        match=r"training state 'sched.fn' is a function, which is saved neither as a tensor nor as "
+        r"JSON",
+    ):
         mgr.save(2, _model(2), {"sched": {"fn": lambda: 0}})
-    with pytest.raises(FileExistsError, match=r"step_1 is already a complete checkpoint; pass CheckpointManager\(..., overwrite=True\)"):
+    with pytest.raises(
+        FileExistsError,
+        match=r"step_1 is already a complete checkpoint; pass CheckpointManager\(..., "
+        r"overwrite=True\)",
+    ):
         mgr.save(1, _model(9))
     assert sorted(str(p) for p in root.rglob("*")) == before
     with pytest.raises(FileNotFoundError, match=r"no complete step checkpoint to load"):
@@ -216,7 +265,11 @@ def _fsdp_run(rank: int, world: int, root: str) -> None:
     """Train a tiny FSDP2 model 3 steps, save steps 1..3 (keep 2), then load step 3 into a fresh
     model and optimizer: parameters, optimizer state and each rank's RNG continue exactly."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.checkpoint.stateful import Stateful
     from torch.distributed.fsdp import fully_shard
 
@@ -243,11 +296,18 @@ def _fsdp_run(rank: int, world: int, root: str) -> None:
         model(torch.randn(5, 8)).pow(2).sum().backward()
         opt.step()
         opt.zero_grad()
-        mgr.save(step, get_model_state_dict(model), {"optim": OptimState(model, opt), "progress": {"step": step}})
+        mgr.save(
+            step,
+            get_model_state_dict(model),
+            {"optim": OptimState(model, opt), "progress": {"step": step}},
+        )
     assert mgr.all_checkpoints() == [2, 3]
     expected_draw = torch.rand(3)
     expected_params = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
-    expected_optim = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in _flat(get_optimizer_state_dict(model, opt)).items()}
+    expected_optim = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in _flat(get_optimizer_state_dict(model, opt)).items()
+    }
 
     model2, opt2 = build()
     torch.manual_seed(999)
@@ -258,7 +318,10 @@ def _fsdp_run(rank: int, world: int, root: str) -> None:
     assert torch.equal(torch.rand(3), expected_draw), f"rank {rank}: RNG not restored"
     for k, v in get_model_state_dict(model2).items():
         assert torch.equal(v.full_tensor(), expected_params[k]), k
-    got_optim = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in _flat(get_optimizer_state_dict(model2, opt2)).items()}
+    got_optim = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in _flat(get_optimizer_state_dict(model2, opt2)).items()
+    }
     assert got_optim.keys() == expected_optim.keys()
     for k, v in expected_optim.items():
         assert torch.equal(got_optim[k], v) if isinstance(v, torch.Tensor) else got_optim[k] == v, k
@@ -280,15 +343,22 @@ def _flat(sd, prefix=""):
 
 @pytest.mark.distributed
 def test_two_fsdp_ranks_resume_exactly_and_one_process_reads_the_weights(tmp_path) -> None:
-    from _dist import run_ranks
+    from tests.support.dist import run_ranks
 
     root = str(tmp_path / "run")
     run_ranks(_fsdp_run, 2, root)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_2", "step_3"]
-    assert sorted(p.name for p in (tmp_path / "run" / "step_3" / "training_state").iterdir() if p.name.startswith("rank_")) == ["rank_00000.json", "rank_00001.json"]
+    assert sorted(
+        p.name
+        for p in (tmp_path / "run" / "step_3" / "training_state").iterdir()
+        if p.name.startswith("rank_")
+    ) == ["rank_00000.json", "rank_00001.json"]
     # Another world size (one process): the weights and the plain values come back.
     mgr = CheckpointManager(root)
-    weights = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in read_checkpoint(tmp_path / "run" / "step_3")[0].items()}
+    weights = {
+        k: torch.zeros(v.shape, dtype=v.dtype)
+        for k, v in read_checkpoint(tmp_path / "run" / "step_3")[0].items()
+    }
     state = {"progress": None}
     assert mgr.load(weights, state) == 3
     assert state == {"progress": {"step": 3}}
@@ -319,7 +389,9 @@ def _disagreeing_ranks(rank: int, world: int, root: str) -> None:
     """Every rank raises, none is left waiting in a collective: steps differ, then a value only
     rank 1 holds cannot be saved."""
     mgr = CheckpointManager(root)
-    with pytest.raises(ValueError, match=r"ranks save different steps \[1, 2\]; all ranks must save the same step"):
+    with pytest.raises(
+        ValueError, match=r"ranks save different steps \[1, 2\]; all ranks must save the same step"
+    ):
         mgr.save(1 + rank, _model(1))
     with pytest.raises(TypeError, match=r"^rank 1: training state 'extra' is a set"):
         mgr.save(1, _model(1), {"extra": {1, 2} if rank == 1 else [1, 2]})
@@ -328,7 +400,7 @@ def _disagreeing_ranks(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.distributed
 def test_a_refusal_on_one_rank_is_raised_on_every_rank(tmp_path) -> None:
-    from _dist import run_ranks
+    from tests.support.dist import run_ranks
 
     run_ranks(_disagreeing_ranks, 2, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists() or list((tmp_path / "run").iterdir()) == []

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import ClassVar
 
 import fsspec
-from fsspec.implementations.memory import MemoryFileSystem
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 from hf_dcp_storage.plan.merge import StagedPiece, merge_segments
 from hf_dcp_storage.stores.staged import merge_file
 
 
-def _column_pieces(root: str, rows: int = 3, cols: int = 4) -> tuple[list[StagedPiece], bytes, dict[str, bytes]]:
+def _column_pieces(
+    root: str, rows: int = 3, cols: int = 4
+) -> tuple[list[StagedPiece], bytes, dict[str, bytes]]:
     """A [rows, cols] uint8 tensor split into two column halves staged by two ranks."""
     full = torch.arange(rows * cols, dtype=torch.uint8).reshape(rows, cols)
     half = cols // 2
-    staged = {f"{root}/r0": full[:, :half].contiguous().numpy().tobytes(), f"{root}/r1": full[:, half:].contiguous().numpy().tobytes()}
+    staged = {
+        f"{root}/r0": full[:, :half].contiguous().numpy().tobytes(),
+        f"{root}/r1": full[:, half:].contiguous().numpy().tobytes(),
+    }
     pieces = [
         StagedPiece(f"{root}/r0", 8, 0, (rows, cols), (0, 0), (rows, half), 1),
         StagedPiece(f"{root}/r1", 8, 0, (rows, cols), (0, half), (rows, cols - half), 1),
@@ -29,12 +35,16 @@ def _column_pieces(root: str, rows: int = 3, cols: int = 4) -> tuple[list[Staged
 def test_segments_interleave_column_shards_in_output_order() -> None:
     pieces, _, _ = _column_pieces("/x")
     assert list(merge_segments(pieces)) == [
-        (8, "/x/r0", 0, 2), (10, "/x/r1", 0, 2), (12, "/x/r0", 2, 2), (14, "/x/r1", 2, 2), (16, "/x/r0", 4, 2), (18, "/x/r1", 4, 2),
+        (8, "/x/r0", 0, 2), (10, "/x/r1", 0, 2), (12, "/x/r0", 2, 2),
+        (14, "/x/r1", 2, 2), (16, "/x/r0", 4, 2), (18, "/x/r1", 4, 2),
     ]  # fmt: skip
 
 
 def test_adjacent_runs_from_one_staged_object_are_coalesced() -> None:
-    pieces = [StagedPiece("/s", 100, 0, (4, 3), (0, 0), (2, 3), 2), StagedPiece("/s", 100, 12, (4, 3), (2, 0), (2, 3), 2)]
+    pieces = [
+        StagedPiece("/s", 100, 0, (4, 3), (0, 0), (2, 3), 2),
+        StagedPiece("/s", 100, 12, (4, 3), (2, 0), (2, 3), 2),
+    ]
     assert list(merge_segments(pieces)) == [(100, "/s", 0, 24)]
 
 
@@ -58,7 +68,9 @@ def test_merge_file_writes_header_then_data_in_place(staged_columns) -> None:
 
 def test_merge_file_refuses_holes(staged_columns) -> None:
     fs, root, pieces, data = staged_columns
-    with pytest.raises(RuntimeError, match=r"staged data jumps from byte 10 to 12; the save is inconsistent"):
+    with pytest.raises(
+        RuntimeError, match=r"staged data jumps from byte 10 to 12; the save is inconsistent"
+    ):
         merge_file(fs, f"{root}/out", b"HEADER!!", 8 + len(data), pieces[:1])
     assert not fs.exists(f"{root}/out"), "a failed merge must not leave a truncated shard"
 
@@ -67,7 +79,7 @@ class _RecordingMemoryFS(MemoryFileSystem):
     """``memory://`` that records the block size of every file opened for reading."""
 
     protocol = "recmemory"
-    block_sizes: list[int | None] = []
+    block_sizes: ClassVar[list[int | None]] = []
 
     def _open(self, path, mode="rb", block_size=None, **kwargs):
         if mode == "rb":

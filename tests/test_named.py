@@ -5,8 +5,9 @@ crash comes at. The kill chain saves one name over and over on two gloo ranks, S
 whole job at three moments of a save over a flat checkpoint and over a version: mid-write (rank
 1 has written its first slab of the new weights), committed (the new version's ``COMMITTED`` is
 written, ``CURRENT`` not yet), switched (``CURRENT`` is written, the old checkpoint not yet
-touched) and removing (the old checkpoint's marker is gone, its files not yet). After each kill a fresh process resolves the name and loads it: the old step before
-the switch, the new one after. A clean save then leaves the name holding one checkpoint only.
+touched) and removing (the old checkpoint's marker is gone, its files not yet). After each kill a
+fresh process resolves the name and loads it: the old step before the switch, the new one after. A
+clean save then leaves the name holding one checkpoint only.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import fsspec
 import pytest
 import torch
 
-from _data import assert_same
-from _jobs import kill_job, run_job
-from _killpoints import arm
 from hf_dcp_storage.steps import folder as ckpt_folder
 from hf_dcp_storage.steps import named
 from hf_dcp_storage.steps.control import Control
 from hf_dcp_storage.steps.retention import COMMIT_MARKER
+from tests.support.data import assert_same
+from tests.support.jobs import kill_job, run_job
+from tests.support.killpoints import arm
 
 moto_only = pytest.mark.parametrize("s3_endpoint", ["moto"], indirect=True)
 JOB_TIMEOUT_S = 120.0
@@ -82,7 +83,9 @@ def _arm(moment: str) -> None:
             switched.append(path.endswith("/" + named.CURRENT_MARKER))
 
         def marker_then_die(fs: Any, path: str) -> None:
-            existed = any(switched) and path.endswith("/" + COMMIT_MARKER) and named.fsio.exists(fs, path)
+            existed = (
+                any(switched) and path.endswith("/" + COMMIT_MARKER) and named.fsio.exists(fs, path)
+            )
             remove(fs, path)
             if existed:
                 kill_job()
@@ -92,24 +95,40 @@ def _arm(moment: str) -> None:
         raise ValueError(moment)
 
 
-def _save_job(rank: int, world: int, url: str, options: dict | None, step: int, moment: str | None) -> None:
-    from _killchain import _sharded
+def _save_job(
+    rank: int, world: int, url: str, options: dict | None, step: int, moment: str | None
+) -> None:
+    from tests.support.killchain import _sharded
 
     control = Control()
     fs, name = ckpt_folder.locate(url, options)
     tensors, payload = ckpt_folder.prepare(control, step, _state(step))
     if moment is not None:
         _arm(moment)
-    named.save(control, fs, name, step, _sharded(_weights(step), world), tensors, payload, {"storage_options": options, "rank_timeout": 10.0})
+    named.save(
+        control,
+        fs,
+        name,
+        step,
+        _sharded(_weights(step), world),
+        tensors,
+        payload,
+        {"storage_options": options, "rank_timeout": 10.0},
+    )
 
 
 def _loaded_step(url: str, options: dict | None) -> int:
     """What a fresh process finds under the name: its step, after checking every byte it loads."""
     fs, name = fsspec.core.url_to_fs(url, **(options or {}))
     folder = named.resolve(fs, name)
-    assert folder is not None, f"{url}: no loadable checkpoint under the name: {sorted(fs.find(name))}"
+    assert folder is not None, (
+        f"{url}: no loadable checkpoint under the name: {sorted(fs.find(name))}"
+    )
     step = json.loads(fs.cat_file(f"{folder}/COMMITTED"))["step"]
-    weights, state = {k: torch.zeros_like(v) for k, v in _weights(0).items()}, {"m": torch.zeros(64), "epoch": -1}
+    weights, state = (
+        {k: torch.zeros_like(v) for k, v in _weights(0).items()},
+        {"m": torch.zeros(64), "epoch": -1},
+    )
     ckpt_folder.load(fs, folder, weights, state, rank=0, reader_io={"storage_options": options})
     for key, value in _weights(step).items():
         assert_same(weights[key], value, f"{url} step {step}: {key}")
@@ -129,12 +148,18 @@ def _chain(url: str, options: dict | None) -> None:
         if moment is None:
             ended.check_returned()
         else:
-            assert ended.how() == ["killed", "killed"], f"step {step}, kill at {moment}: {ended.ranks}"
+            assert ended.how() == ["killed", "killed"], (
+                f"step {step}, kill at {moment}: {ended.ranks}"
+            )
         assert _loaded_step(url, options) == expected, f"after step {step} (killed at {moment})"
         if moment is None and step > 1:
             # A clean save leaves one checkpoint: CURRENT and its version, nothing a kill left.
             entries = _entries(url, options)
-            assert entries[0] == named.CURRENT_MARKER and len(entries) == 2 and entries[1].startswith(f"{named.VERSION_PREFIX}{step}-"), entries
+            assert (
+                entries[0] == named.CURRENT_MARKER
+                and len(entries) == 2
+                and entries[1].startswith(f"{named.VERSION_PREFIX}{step}-")
+            ), entries
 
 
 @pytest.mark.distributed
@@ -165,18 +190,26 @@ def test_a_name_is_flat_until_saved_over_then_versioned_and_removed_markers_firs
     assert "COMMITTED" in _entries(url, None) and named.CURRENT_MARKER not in _entries(url, None)
     second = _save_here(url, 2)
     assert second.startswith(f"{url}/{named.VERSION_PREFIX}2-")
-    assert _entries(url, None) == sorted([named.CURRENT_MARKER, second.rsplit("/", 1)[1]])  # the flat one is gone
+    assert _entries(url, None) == sorted(
+        [named.CURRENT_MARKER, second.rsplit("/", 1)[1]]
+    )  # the flat one is gone
     assert _loaded_step(url, None) == 2
     fs, name = ckpt_folder.locate(url, None)
     named.remove(fs, name)
     assert not fs.exists(name) and named.resolve(fs, name) is None
 
 
-@pytest.mark.parametrize("pointer", [b"not json", b'{"version": "../elsewhere"}', b'{"step": 3}'], ids=["garbled", "escaping", "no-version"])
+@pytest.mark.parametrize(
+    "pointer",
+    [b"not json", b'{"version": "../elsewhere"}', b'{"step": 3}'],
+    ids=["garbled", "escaping", "no-version"],
+)
 def test_a_current_marker_not_written_here_is_refused_naming_it(tmp_path, pointer: bytes) -> None:
     url = str(tmp_path / "last.ckpt")
     _save_here(url, 1)
     (tmp_path / "last.ckpt" / named.CURRENT_MARKER).write_bytes(pointer)
     fs, name = ckpt_folder.locate(url, None)
-    with pytest.raises(ValueError, match=r"CURRENT: not a pointer to a checkpoint version .* remove the file"):
+    with pytest.raises(
+        ValueError, match=r"CURRENT: not a pointer to a checkpoint version .* remove the file"
+    ):
         named.resolve(fs, name)

@@ -1,4 +1,5 @@
-"""What every rank's plan carries (file names, a key table's files and offsets) pickles as one blob."""
+"""What every rank's plan carries (file names, a key table's files and offsets) pickles as one
+blob."""
 
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ def test_a_packed_value_pickles_as_the_blob_made_with_it() -> None:
 def test_a_packed_array_round_trips_as_a_plain_array_from_one_blob() -> None:
     starts = np.cumsum(np.full(1137, 1 << 22, dtype=np.int64))  # a key table's offsets
     packed = packed_array(starts)
-    assert isinstance(packed, PackedArray) and np.array_equal(packed, starts) and not packed.flags.writeable
+    assert (
+        isinstance(packed, PackedArray)
+        and np.array_equal(packed, starts)
+        and not packed.flags.writeable
+    )
     data = pickle.dumps(packed)
     assert packed._blob in data and len(data) < len(pickle.dumps(starts)) / 4
     back = pickle.loads(data)

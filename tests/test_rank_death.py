@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from _jobs import kill_self, run_job
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
 from hf_dcp_storage.format.index import INDEX_NAME
+from tests.support.jobs import kill_self, run_job
 
 
 class _DiesWhileWriting(HFStorageWriter):
@@ -42,10 +42,14 @@ def _state(rank: int, world: int):
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(7)
     full = {"a": torch.randn(64, 16, generator=g), "b": torch.randn(33, generator=g)}
-    return {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}, full
+    return {
+        k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()
+    }, full
 
 
-def _save_with_victim(rank: int, world: int, url: str, victim: int, stall: float, timeout: float) -> float:
+def _save_with_victim(
+    rank: int, world: int, url: str, victim: int, stall: float, timeout: float
+) -> float:
     writer = _DiesWhileWriting(url, direct_write=False, rank_timeout=timeout)
     writer.victim, writer.stall = victim, stall
     sd, _ = _state(rank, world)
@@ -80,10 +84,12 @@ def test_a_slow_rank_keeps_beating_and_is_waited_for(tmp_path) -> None:
     loaded = {"a": torch.zeros(64, 16), "b": torch.zeros(33)}
     dcp.load(loaded, storage_reader=HFStorageReader(url), no_dist=True)
     g = torch.Generator().manual_seed(7)
-    assert torch.equal(loaded["a"], torch.randn(64, 16, generator=g)) and torch.equal(loaded["b"], torch.randn(33, generator=g))
+    assert torch.equal(loaded["a"], torch.randn(64, 16, generator=g)) and torch.equal(
+        loaded["b"], torch.randn(33, generator=g)
+    )
 
 
 def test_rank_timeout_is_validated() -> None:
     for bad in (0, -1, "5", True, float("nan")):
-        with pytest.raises(ValueError, match="rank_timeout=.* must be a number of seconds > 0"):
+        with pytest.raises(ValueError, match=r"rank_timeout=.* must be a number of seconds > 0"):
             HFStorageWriter("/tmp/x", rank_timeout=bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import random
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from hf_dcp_storage.plan.layout import chunk_runs
-from hf_dcp_storage.plan.s3parts import (
+from hf_dcp_storage.plan.parts import (
     GATHER_PART_BYTES,
     MAX_PART_BYTES,
     MIN_PART_BYTES,
@@ -20,15 +21,15 @@ from hf_dcp_storage.plan.s3parts import (
     plan_file_parts,
     route_run,
 )
+from hf_dcp_storage.plan.reads import coalesce
 from hf_dcp_storage.plan.spread import assign
-from hf_dcp_storage.reader import coalesce
 
 MiB = 2**20
 
 
 def _plan(header_len: int, owners: list[tuple[int, int]], **kwargs):
     """``owners`` of ``(rank, nbytes)`` laid end to end after the header, neighbours of one rank
-    joined (as ``plan/s3plan.py`` passes them) -> ``(parts, runs as (start, rank, n), size)``."""
+    joined (as ``plan/partplan.py`` passes them) -> ``(parts, runs as (start, rank, n), size)``."""
     runs: list[tuple[int, int, int]] = []
     pos = header_len
     for rank, n in owners:
@@ -101,10 +102,14 @@ def test_mixed_runs_are_gathered_and_gathers_split_evenly() -> None:
     assert max(p.nbytes for p in gathered) - min(p.nbytes for p in gathered) <= 1
 
 
-def test_gathered_parts_are_sized_so_the_busiest_rank_moves_at_most_5_percent_over_the_mean() -> None:
+def test_gathered_parts_are_sized_so_the_busiest_rank_moves_at_most_5_percent_over_the_mean() -> (
+    None
+):
     assert gather_part_bytes(15 << 30, 1024) == MIN_PART_BYTES  # 15 MiB a rank: S3's minimum
     assert gather_part_bytes(1 << 40, 64) == GATHER_PART_BYTES  # 16 GiB a rank: the largest
-    assert gather_part_bytes(131 << 30, 1024) == 3 * (131 << 30) // (40 * 1024)  # 131 MiB a rank: 9.8 MiB
+    assert gather_part_bytes(131 << 30, 1024) == 3 * (131 << 30) // (
+        40 * 1024
+    )  # 131 MiB a rank: 9.8 MiB
     for total, world in ((131 << 30, 1024), (40 << 30, 512), (756 << 30, 8192)):
         share, part = total // world, gather_part_bytes(total, world)
         sizes = [part] * (total // part)  # every byte gathered
@@ -118,7 +123,9 @@ def test_long_runs_are_cut_near_16_mib_and_huge_files_keep_under_the_part_limit(
     parts, runs, size = _plan(0, [(0, 12 * 2**30)])
     _check(parts, runs, 0, size)
     assert len(parts) == 768 and {p.nbytes for p in parts} == {16 * MiB}
-    parts, runs, size = _plan(8, [(i % 2, MiB) for i in range(60_000)])  # 60,000 one-MiB runs, two ranks
+    parts, runs, size = _plan(
+        8, [(i % 2, MiB) for i in range(60_000)]
+    )  # 60,000 one-MiB runs, two ranks
     _check(parts, runs, 8, size)
     assert len(parts) <= 5_000 and all(isinstance(p, GatherPart) for p in parts)
 
@@ -138,7 +145,10 @@ def test_random_runs_and_their_routing(seed: int) -> None:
     ranks are exactly the gathered parts' bytes but the header's."""
     rng = random.Random(seed)
     min_part = 64
-    owners = [(rng.randrange(-1, 3), rng.choice([0, 1, 7, 40, 63, 64, 65, 100, 300, 1000])) for _ in range(rng.randrange(1, 40))]
+    owners = [
+        (rng.randrange(-1, 3), rng.choice([0, 1, 7, 40, 63, 64, 65, 100, 300, 1000]))
+        for _ in range(rng.randrange(1, 40))
+    ]
     header = rng.choice([0, 8, 70])
     parts, runs, size = _plan(header, owners, min_part=min_part, rank_part=256)
     _check(parts, runs, header, size, min_part=min_part)
@@ -161,15 +171,22 @@ def test_random_runs_and_their_routing(seed: int) -> None:
     assert staged == gathered
 
 
-# -- coalesced ranged reads ---------------------------------------------------------------------------
+# -- coalesced ranged reads ------------------------------------------------------------------------
 
 
 def test_coalesce_joins_adjacent_and_near_spans_only() -> None:
     assert coalesce([]) == []
-    assert coalesce([(0, 100), (100, 200), (205, 300)], gap_bytes=0) == [(0, 300)]  # gap 5 <= 10% of 95
-    assert coalesce([(0, 100), (150, 250)], gap_bytes=0) == [(0, 100), (150, 250)]  # gap 50 > 10% of 100
+    assert coalesce([(0, 100), (100, 200), (205, 300)], gap_bytes=0) == [
+        (0, 300)
+    ]  # gap 5 <= 10% of 95
+    assert coalesce([(0, 100), (150, 250)], gap_bytes=0) == [
+        (0, 100),
+        (150, 250),
+    ]  # gap 50 > 10% of 100
     assert coalesce([(0, 100), (150, 250)], waste=0.5, gap_bytes=0) == [(0, 250)]
-    assert coalesce([(0, 100), (150, 250)], gap_bytes=50) == [(0, 250)]  # a gap cheaper than a request
+    assert coalesce([(0, 100), (150, 250)], gap_bytes=50) == [
+        (0, 250)
+    ]  # a gap cheaper than a request
 
 
 def test_column_shard_of_narrow_rows_is_one_request_and_of_wide_rows_one_per_row() -> None:
@@ -189,11 +206,11 @@ def test_coalesced_requests_cover_every_run_within_10_percent_extra(seed: int) -
     rng = random.Random(seed)
     shape = tuple(rng.randint(1, 12) for _ in range(rng.randint(1, 3)))
     offsets = tuple(rng.randrange(d) for d in shape)
-    sizes = tuple(rng.randint(1, d - o) for d, o in zip(shape, offsets))
+    sizes = tuple(rng.randint(1, d - o) for d, o in zip(shape, offsets, strict=False))
     itemsize = rng.choice([1, 2, 4])
     spans = [(t, t + n) for t, _, n in chunk_runs(shape, offsets, sizes, itemsize)]
     requests = coalesce(spans, gap_bytes=0)
-    assert all(a[1] < b[0] for a, b in zip(requests, requests[1:]))
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(requests))
     assert all(any(s >= r0 and e <= r1 for r0, r1 in requests) for s, e in spans)
     needed = sum(e - s for s, e in spans)
     assert sum(e - s for s, e in requests) <= 1.1 * needed
@@ -220,4 +237,7 @@ def test_remote_column_shard_slabs_fetch_about_16_mib_whatever_the_world_size() 
         assert SLAB_BYTES // 2 < fetched <= SLAB_BYTES, (world, fetched)
         assert local._slab_bytes(stored, item) == SLAB_BYTES  # local reads only the runs
     wide = _Stored("f.safetensors", 0, torch.float32, (64, 2**20))  # 2 MiB half-rows: gaps skipped
-    assert remote._slab_bytes(wide, SimpleNamespace(storage_offsets=(0, 0), lengths=(64, 2**19))) == SLAB_BYTES
+    assert (
+        remote._slab_bytes(wide, SimpleNamespace(storage_offsets=(0, 0), lengths=(64, 2**19)))
+        == SLAB_BYTES
+    )

@@ -1,16 +1,16 @@
 """Proof of exact resume: a crashed FSDP2 run, restarted from its last complete step, ends
 bitwise where an uninterrupted run ends; and a 2-rank checkpoint continues on 1 and 4 ranks.
 
-The training run (``_training.py``): a tiny MLP under FSDP2 with dropout, AdamW, a LambdaLR
-warmup/decay schedule, a shuffling DataLoader + DistributedSampler whose position is
+The training run (``tests/support/training.py``): a tiny MLP under FSDP2 with dropout, AdamW, a
+LambdaLR warmup/decay schedule, a shuffling DataLoader + DistributedSampler whose position is
 checkpointed, and per-step draws from the torch, NumPy and Python RNGs, 12 steps over an epoch
 boundary. What is exact and what is a tolerance:
 
 * same world size (2 ranks, per-rank RNG seeds that differ): losses and final parameters are
   compared with ``==`` / ``torch.equal``: bitwise;
 * another world size (1 and 4 ranks): the run is built to be world-size independent except for
-  float summation order (see ``_training.py``), so losses and parameters are compared with
-  ``rtol=1e-5`` (parameters also ``atol=1e-6``); measured differences are ~1e-7.
+  float summation order (see ``tests/support/training.py``), so losses and parameters are compared
+  with ``rtol=1e-5`` (parameters also ``atol=1e-6``); measured differences are ~1e-7.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from _data import read_checkpoint
-from _dist import run_ranks
-from _training import TOTAL, train
 from hf_dcp_storage import CheckpointManager
+from tests.support.data import read_checkpoint
+from tests.support.dist import run_ranks
+from tests.support.training import TOTAL, train
 
 pytestmark = pytest.mark.distributed
 
@@ -49,23 +49,41 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("reference")
     configs = [
         {"mode": "local", "out": str(tmp / "local"), "steps": TOTAL},
-        {"mode": "global", "out": str(tmp / "global"), "steps": TOTAL, "root": str(tmp / "global_run"), "save_at": [OTHER_WORLD_RESUME]},
+        {
+            "mode": "global",
+            "out": str(tmp / "global"),
+            "steps": TOTAL,
+            "root": str(tmp / "global_run"),
+            "save_at": [OTHER_WORLD_RESUME],
+        },
     ]
     run_ranks(train, 2, configs)
     return {"local": tmp / "local", "global": tmp / "global", "global_run": tmp / "global_run"}
 
 
-def test_crash_mid_save_then_restart_continues_bitwise(reference: dict[str, Path], tmp_path: Path) -> None:
+def test_crash_mid_save_then_restart_continues_bitwise(
+    reference: dict[str, Path], tmp_path: Path
+) -> None:
     root = tmp_path / "run"
     _, ref_losses, ref_params = _result(reference["local"])
     assert sorted(ref_losses) == list(range(1, TOTAL + 1))
 
     # Run B: the same run, saving every 3 steps (keep_last_n=2); rank 1 dies (os._exit) inside
     # the save of step 9, after writing its bytes of the model file, before the commit marker.
-    crashed = {"mode": "local", "out": str(tmp_path / "crashed"), "steps": TOTAL, "root": str(root), "save_every": SAVE_EVERY, "crash_at": CRASH_STEP, "crash_rank": 1}
+    crashed = {
+        "mode": "local",
+        "out": str(tmp_path / "crashed"),
+        "steps": TOTAL,
+        "root": str(root),
+        "save_every": SAVE_EVERY,
+        "crash_at": CRASH_STEP,
+        "crash_rank": 1,
+    }
     with pytest.raises((mp.ProcessExitedException, mp.ProcessRaisedException)) as failure:
         run_ranks(train, 2, [crashed])
-    if isinstance(failure.value, mp.ProcessExitedException):  # else rank 0 saw its peer vanish first
+    if isinstance(
+        failure.value, mp.ProcessExitedException
+    ):  # else rank 0 saw its peer vanish first
         assert (failure.value.error_index, failure.value.exit_code) == (1, 1), failure.value
     # On disk: steps 3 and 6 complete; step 9 a partial folder (model file, rank JSONs) without
     # the model index or the commit marker.
@@ -79,7 +97,15 @@ def test_crash_mid_save_then_restart_continues_bitwise(reference: dict[str, Path
 
     # Restart (fresh processes): resume from latest(), prune the partial step, go on to step 12,
     # saving every 3 steps again, asynchronously this time.
-    restarted = {"mode": "local", "out": str(tmp_path / "restarted"), "steps": TOTAL, "root": str(root), "save_every": SAVE_EVERY, "resume": True, "async_save": True}
+    restarted = {
+        "mode": "local",
+        "out": str(tmp_path / "restarted"),
+        "steps": TOTAL,
+        "root": str(root),
+        "save_every": SAVE_EVERY,
+        "resume": True,
+        "async_save": True,
+    }
     run_ranks(train, 2, [restarted])
     result, losses, params = _result(tmp_path / "restarted")
     assert result["latest"] == RESUME_STEP
@@ -109,12 +135,20 @@ def test_crash_mid_save_then_restart_continues_bitwise(reference: dict[str, Path
 
 
 @pytest.mark.parametrize("world", [1, 4])
-def test_two_rank_checkpoint_continues_on_another_world_size(reference: dict[str, Path], tmp_path: Path, world: int) -> None:
+def test_two_rank_checkpoint_continues_on_another_world_size(
+    reference: dict[str, Path], tmp_path: Path, world: int
+) -> None:
     # Equal within float tolerance only: summation order depends on the world size.
     _, ref_losses, ref_params = _result(reference["global"])
     root = reference["global_run"]
     assert CheckpointManager(str(root)).all_checkpoints() == [OTHER_WORLD_RESUME]
-    cfg = {"mode": "global", "out": str(tmp_path / f"world{world}"), "steps": TOTAL, "root": str(root), "resume": True}
+    cfg = {
+        "mode": "global",
+        "out": str(tmp_path / f"world{world}"),
+        "steps": TOTAL,
+        "root": str(root),
+        "resume": True,
+    }
     run_ranks(train, world, [cfg])
     result, losses, params = _result(tmp_path / f"world{world}")
     assert result["latest"] == OTHER_WORLD_RESUME and result["pruned"] == []

@@ -17,7 +17,10 @@ class _ClientError(Exception):
 
     def __init__(self, code: str, status: int) -> None:
         super().__init__(f"An error occurred ({code})")
-        self.response = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        self.response = {
+            "Error": {"Code": code, "Message": code},
+            "ResponseMetadata": {"HTTPStatusCode": status},
+        }
 
 
 class ClientPayloadError(Exception):  # aiohttp's name for a body cut short
@@ -57,11 +60,17 @@ def _flaky(failures: list[BaseException]):
     return fn, calls
 
 
-def test_transient_failures_are_retried_with_growing_jittered_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
-    fn, calls = _flaky([_ClientError("SlowDown", 503), ConnectionResetError(), ClientPayloadError()])
+def test_transient_failures_are_retried_with_growing_jittered_sleeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fn, calls = _flaky(
+        [_ClientError("SlowDown", 503), ConnectionResetError(), ClientPayloadError()]
+    )
     sleeps: list[float] = []
     policy = RetryPolicy(max_attempts=4, base_delay=1.0, max_delay=3.0)
-    monkeypatch.setattr(retry, "random", random.Random(20261203))  # the jitter's draws, of a seed of its own
+    monkeypatch.setattr(
+        retry, "random", random.Random(20261203)
+    )  # the jitter's draws, of a seed of its own
     assert policy.call(fn, operation="GET", url="s3://b/k", sleep=sleeps.append) == "ok"
     assert len(calls) == 4
     # Full jitter: attempt k sleeps uniform(0, min(max_delay, base_delay * 2**k)), so the bounds
@@ -72,25 +81,44 @@ def test_transient_failures_are_retried_with_growing_jittered_sleeps(monkeypatch
 
 def test_attempts_run_out_with_a_message_naming_operation_url_and_fix() -> None:
     fn, calls = _flaky([_ClientError("SlowDown", 503)] * 10)
-    with pytest.raises(RemoteOperationError, match=r"^UploadPart 3 s3://b/k failed after 3 attempt\(s\) over [0-9.]+ s: .*SlowDown.*raise RetryPolicy\(max_attempts=\.\.\., deadline=\.\.\.\)") as info:
-        RetryPolicy(max_attempts=3).call(fn, operation="UploadPart 3", url="s3://b/k", sleep=lambda s: None)
+    with pytest.raises(
+        RemoteOperationError,
+        match=r"^UploadPart 3 s3://b/k failed after 3 attempt\(s\) over [0-9.]+ s: "
+        r".*SlowDown.*raise RetryPolicy\(max_attempts=\.\.\., deadline=\.\.\.\)",
+    ) as info:
+        RetryPolicy(max_attempts=3).call(
+            fn, operation="UploadPart 3", url="s3://b/k", sleep=lambda s: None
+        )
     assert len(calls) == 3 and isinstance(info.value.__cause__, _ClientError)
 
 
 def test_the_deadline_bounds_total_time() -> None:
     fn, calls = _flaky([TimeoutError()] * 10)
     with pytest.raises(RemoteOperationError, match="failed after 1 attempt"):
-        RetryPolicy(max_attempts=10, base_delay=5.0, max_delay=5.0, deadline=0.0).call(fn, operation="GET", url="u", sleep=lambda s: None)
+        RetryPolicy(max_attempts=10, base_delay=5.0, max_delay=5.0, deadline=0.0).call(
+            fn, operation="GET", url="u", sleep=lambda s: None
+        )
     assert len(calls) == 1
 
 
 @pytest.mark.parametrize(
-    "exc,kind", [(_ClientError("AccessDenied", 403), PermissionError), (_ClientError("NoSuchBucket", 404), FileNotFoundError), (ValueError("no"), RemoteOperationError)]
+    "exc,kind",
+    [
+        (_ClientError("AccessDenied", 403), PermissionError),
+        (_ClientError("NoSuchBucket", 404), FileNotFoundError),
+        (ValueError("no"), RemoteOperationError),
+    ],
 )
-def test_permanent_failures_are_not_retried_and_keep_their_kind(exc: BaseException, kind: type) -> None:
+def test_permanent_failures_are_not_retried_and_keep_their_kind(
+    exc: BaseException, kind: type
+) -> None:
     fn, calls = _flaky([exc])
-    with pytest.raises(kind, match=r"^PUT s3://b/k failed: .* \(not retried: the error is permanent\)$"):
-        RetryPolicy().call(fn, operation="PUT", url="s3://b/k", sleep=lambda s: pytest.fail("slept"))
+    with pytest.raises(
+        kind, match=r"^PUT s3://b/k failed: .* \(not retried: the error is permanent\)$"
+    ):
+        RetryPolicy().call(
+            fn, operation="PUT", url="s3://b/k", sleep=lambda s: pytest.fail("slept")
+        )
     assert len(calls) == 1
 
 
@@ -107,7 +135,10 @@ def test_async_calls_retry_the_same_way() -> None:
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [({"max_attempts": 0}, r"max_attempts=0\) must be an int >= 1 \(1 = no retries\)"), ({"deadline": -1}, r"deadline=-1\) must be >= 0 seconds")],
+    [
+        ({"max_attempts": 0}, r"max_attempts=0\) must be an int >= 1 \(1 = no retries\)"),
+        ({"deadline": -1}, r"deadline=-1\) must be >= 0 seconds"),
+    ],
 )
 def test_bad_policies_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -1,4 +1,5 @@
-"""``runs``: listing, pruning and removing the step checkpoints of a run folder (``hf-dcp ls/prune``).
+"""``runs``: listing, pruning and removing the step checkpoints of a run folder (``hf-dcp
+ls/prune``).
 
 Runs are built by real ``CheckpointManager`` saves plus hand-made leftovers: a crashed older
 save, a newer unfinished one (a save possibly still running), and names that are not steps
@@ -20,7 +21,15 @@ import torch
 
 from hf_dcp_storage import CheckpointManager
 from hf_dcp_storage.steps.retention import COMMIT_MARKER, RetentionPolicy, to_remove
-from hf_dcp_storage.steps.runs import PruneResult, StepInfo, _posix_mtime, list_steps, prune_run, remove_step, step_status
+from hf_dcp_storage.steps.runs import (
+    PruneResult,
+    StepInfo,
+    _posix_mtime,
+    list_steps,
+    prune_run,
+    remove_step,
+    step_status,
+)
 
 COMPLETE = (10, 20, 30, 40)
 OLD_CRASH, IN_FLIGHT = 15, 50  # incomplete: older than the newest complete step, and newer
@@ -30,16 +39,22 @@ OTHERS = {"notes.txt": b"keep me", "step_01/COMMITTED": b"{}", "step_01/weights.
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"model.embed.weight": torch.randn(32, 16, generator=g), "model.norm.weight": torch.randn(16, generator=g)}
+    return {
+        "model.embed.weight": torch.randn(32, 16, generator=g),
+        "model.norm.weight": torch.randn(16, generator=g),
+    }
 
 
 def _put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    fs.makedirs(posixpath.dirname(path), exist_ok=True)  # local disk needs the folder; elsewhere a no-op
+    fs.makedirs(
+        posixpath.dirname(path), exist_ok=True
+    )  # local disk needs the folder; elsewhere a no-op
     fs.pipe_file(path, data)
 
 
 def _build_run(url: str, options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Steps ``COMPLETE`` saved by the manager (nothing pruned), then the leftovers and non-steps."""
+    """Steps ``COMPLETE`` saved by the manager (nothing pruned), then the leftovers and
+    non-steps."""
     mgr = CheckpointManager(url, keep_last_n=len(COMPLETE), storage_options=options)
     for step in COMPLETE:
         mgr.save(step, _model(step), {"epoch": step // 10})
@@ -62,12 +77,24 @@ def _snapshot(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, tuple[int, 
     """Every file under ``root`` with its size and modification time: one listing, to see that
     nothing was written or deleted."""
     fs.invalidate_cache(root)
-    return {posixpath.relpath(p, root): (info["size"], _posix_mtime(info)) for p, info in fs.find(root, detail=True).items()}
+    return {
+        posixpath.relpath(p, root): (info["size"], _posix_mtime(info))
+        for p, info in fs.find(root, detail=True).items()
+    }
 
 
-def _check_listing(url: str, options: dict | None, fs: fsspec.AbstractFileSystem, root: str, t0: float, t1: float) -> list[StepInfo]:
+def _check_listing(
+    url: str, options: dict | None, fs: fsspec.AbstractFileSystem, root: str, t0: float, t1: float
+) -> list[StepInfo]:
     infos = list_steps(url, storage_options=options)
-    assert [(i.step, i.complete) for i in infos] == [(10, True), (OLD_CRASH, False), (20, True), (30, True), (40, True), (IN_FLIGHT, False)]
+    assert [(i.step, i.complete) for i in infos] == [
+        (10, True),
+        (OLD_CRASH, False),
+        (20, True),
+        (30, True),
+        (40, True),
+        (IN_FLIGHT, False),
+    ]
     files = _files(fs, root)
     for info in infos:
         prefix = f"step_{info.step}/"
@@ -84,33 +111,65 @@ def _check_listing(url: str, options: dict | None, fs: fsspec.AbstractFileSystem
     return infos
 
 
-def _check_pruning(url: str, options: dict | None, fs: fsspec.AbstractFileSystem, root: str) -> None:
+def _check_pruning(
+    url: str, options: dict | None, fs: fsspec.AbstractFileSystem, root: str
+) -> None:
     before = (_snapshot(fs, root), list_steps(url, storage_options=options))
     steps = {s: s in COMPLETE for s in (*COMPLETE, OLD_CRASH, IN_FLIGHT)}
-    # keep the newest 2 (30, 40) and multiples of 20 (20, 40); the crashed 15 goes; 50 may be a save.
+    # keep the newest 2 (30, 40) and multiples of 20 (20, 40); the crashed 15 goes; 50 may be a
+    # save.
     dry = prune_run(url, keep_last_n=2, keep_every=20, dry_run=True, storage_options=options)
-    assert dry == PruneResult(removed=(10, OLD_CRASH), kept=(20, 30, 40), in_progress=(IN_FLIGHT,), dry_run=True)
+    assert dry == PruneResult(
+        removed=(10, OLD_CRASH), kept=(20, 30, 40), in_progress=(IN_FLIGHT,), dry_run=True
+    )
     assert list(dry.removed) == to_remove(steps, RetentionPolicy(2, 20), in_flight=[IN_FLIGHT])
     assert (_snapshot(fs, root), list_steps(url, storage_options=options)) == before
-    dry_all = prune_run(url, keep_last_n=2, keep_every=20, dry_run=True, include_unfinished=True, storage_options=options)
+    dry_all = prune_run(
+        url,
+        keep_last_n=2,
+        keep_every=20,
+        dry_run=True,
+        include_unfinished=True,
+        storage_options=options,
+    )
     assert (dry_all.removed, dry_all.in_progress) == ((10, OLD_CRASH, IN_FLIGHT), ())
     assert (_snapshot(fs, root), list_steps(url, storage_options=options)) == before
 
     done = prune_run(url, keep_last_n=2, keep_every=20, storage_options=options)
-    assert done == PruneResult(removed=(10, OLD_CRASH), kept=(20, 30, 40), in_progress=(IN_FLIGHT,), dry_run=False)
-    assert done.to_dict() == {"removed": [10, OLD_CRASH], "kept": [20, 30, 40], "in_progress": [IN_FLIGHT], "dry_run": False}
+    assert done == PruneResult(
+        removed=(10, OLD_CRASH), kept=(20, 30, 40), in_progress=(IN_FLIGHT,), dry_run=False
+    )
+    assert done.to_dict() == {
+        "removed": [10, OLD_CRASH],
+        "kept": [20, 30, 40],
+        "in_progress": [IN_FLIGHT],
+        "dry_run": False,
+    }
     after = _snapshot(fs, root)
     assert {rel: before[0][rel] for rel in after} == after  # the survivors untouched
-    assert {rel.split("/")[0] for rel in after} == {"notes.txt", "step_01", "step_20", "step_30", "step_40", f"step_{IN_FLIGHT}"}
+    assert {rel.split("/")[0] for rel in after} == {
+        "notes.txt",
+        "step_01",
+        "step_20",
+        "step_30",
+        "step_40",
+        f"step_{IN_FLIGHT}",
+    }
     assert {rel: fs.cat_file(f"{root}/{rel}") for rel in OTHERS} == OTHERS
 
     # The tool and the training job agree: the manager (which knows no save is running) removes
     # what the tool removes with include_unfinished.
-    expected = prune_run(url, keep_last_n=1, dry_run=True, include_unfinished=True, storage_options=options)
+    expected = prune_run(
+        url, keep_last_n=1, dry_run=True, include_unfinished=True, storage_options=options
+    )
     assert expected.removed == (20, 30, IN_FLIGHT)
-    assert CheckpointManager(url, keep_last_n=1, storage_options=options).prune() == list(expected.removed)
+    assert CheckpointManager(url, keep_last_n=1, storage_options=options).prune() == list(
+        expected.removed
+    )
     assert [(i.step, i.complete) for i in list_steps(url, storage_options=options)] == [(40, True)]
-    assert {rel: data for rel, data in _files(fs, root).items() if not rel.startswith("step_40/")} == OTHERS
+    assert {
+        rel: data for rel, data in _files(fs, root).items() if not rel.startswith("step_40/")
+    } == OTHERS
 
 
 # -- local path, file://, memory:// ---------------------------------------------------------------
@@ -147,10 +206,16 @@ def test_remove_step_takes_the_marker_first_and_only_the_step(url: str) -> None:
     assert _files(fs, root) == {"notes.txt": b"keep me"}
 
 
-def test_a_missing_run_folder_is_an_error_for_the_tool_and_no_steps_for_the_manager(url: str) -> None:
+def test_a_missing_run_folder_is_an_error_for_the_tool_and_no_steps_for_the_manager(
+    url: str,
+) -> None:
     with pytest.raises(ValueError, match=r"keep_last_n=0 must be an int >= 1"):
         prune_run(url, keep_last_n=0)  # refused before the folder is even looked at
-    with pytest.raises(FileNotFoundError, match=r"ckpt: no such run folder \(nothing is stored under it\); give the folder that holds the step_N checkpoints"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"ckpt: no such run folder \(nothing is stored under it\); give the folder that "
+        r"holds the step_N checkpoints",
+    ):
         list_steps(url)
     with pytest.raises(FileNotFoundError, match=r"no such run folder"):
         prune_run(url, keep_last_n=1)
@@ -161,7 +226,13 @@ def test_a_missing_run_folder_is_an_error_for_the_tool_and_no_steps_for_the_mana
     # A save that crashed before its first file left an empty folder: an incomplete step.
     fs.makedirs(f"{root}/step_3/training_state")
     (empty,) = list_steps(url)
-    assert (empty.step, empty.complete, empty.files, empty.size, empty.modified) == (3, False, 0, 0, None)
+    assert (empty.step, empty.complete, empty.files, empty.size, empty.modified) == (
+        3,
+        False,
+        0,
+        0,
+        None,
+    )
     assert CheckpointManager(url).prune() == [3]
     assert list_steps(url) == []
 
@@ -174,7 +245,10 @@ _T = datetime(2026, 11, 30, 18, 6, 9, tzinfo=timezone.utc).timestamp()
     [
         ({"mtime": _T + 0.25, "created": 0.0}, _T + 0.25),  # local disk: mtime wins over created
         ({"LastModified": datetime(2026, 11, 30, 18, 6, 9, tzinfo=timezone.utc)}, _T),  # s3fs
-        ({"LastModified": datetime(2026, 11, 30, 19, 6, 9, tzinfo=timezone(timedelta(hours=1)))}, _T),
+        (
+            {"LastModified": datetime(2026, 11, 30, 19, 6, 9, tzinfo=timezone(timedelta(hours=1)))},
+            _T,
+        ),
         ({"last_modified": datetime(2026, 11, 30, 18, 6, 9)}, _T),  # naive: UTC
         ({"updated": "2026-11-30T18:06:09Z"}, _T),  # ISO string
         ({"created": _T}, _T),  # memory://
@@ -183,7 +257,9 @@ _T = datetime(2026, 11, 30, 18, 6, 9, tzinfo=timezone.utc).timestamp()
         ({"mtime": True}, None),
     ],
 )
-def test_modification_times_of_every_backend_become_posix_seconds(info: dict, expected: float | None) -> None:
+def test_modification_times_of_every_backend_become_posix_seconds(
+    info: dict, expected: float | None
+) -> None:
     assert _posix_mtime(info) == expected
 
 
@@ -205,14 +281,17 @@ def test_on_s3_one_listing_reports_and_prunes_the_run(s3) -> None:
 def proxied_run(s3_endpoint: str) -> Iterator[tuple[object, str, dict]]:
     """``(proxy, s3://bucket/run, options through a fault proxy)``, botocore's retries off."""
     s3fs = pytest.importorskip("s3fs")
-    from _faultproxy import FaultProxy
-    from conftest import s3_storage_options
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.storage_options import s3_storage_options
 
     direct = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
     bucket = f"hf-dcp-runs-{uuid.uuid4().hex[:16]}"
     direct.mkdir(bucket)
     with FaultProxy(upstream=s3_endpoint) as proxy:
-        options = {**s3_storage_options(proxy.endpoint), "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
+        options = {
+            **s3_storage_options(proxy.endpoint),
+            "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}},
+        }
         yield proxy, f"s3://{bucket}/run", options
         assert proxy.errors == []
     direct.rm(bucket, recursive=True)
@@ -221,7 +300,7 @@ def proxied_run(s3_endpoint: str) -> Iterator[tuple[object, str, dict]]:
 def test_on_s3_a_remove_cut_short_leaves_an_incomplete_step(proxied_run) -> None:
     """The bulk delete of the folder fails (403): the marker is already gone, so the step is
     incomplete, never "complete" with files missing; and the wire shows the marker went first."""
-    from _faultproxy import Fault
+    from tests.support.faultproxy import Fault
 
     proxy, url, options = proxied_run
     CheckpointManager(url, storage_options=options).save(1, _model(1))
@@ -231,12 +310,16 @@ def test_on_s3_a_remove_cut_short_leaves_an_incomplete_step(proxied_run) -> None
     proxy.add_fault(Fault("403", method="POST", query_has="delete"))
     with pytest.raises(PermissionError):
         remove_step(fs, root, 1)
-    deletes = [(r.method, r.path) for r in proxy.requests if r.method == "DELETE" or "delete" in r.query]
+    deletes = [
+        (r.method, r.path) for r in proxy.requests if r.method == "DELETE" or "delete" in r.query
+    ]
     assert deletes[0] == ("DELETE", f"/{root}/step_1/{COMMIT_MARKER}"), deletes
     assert deletes[1][0] == "POST", deletes
     (half,) = list_steps(url, storage_options=options)
     assert (half.complete, half.files) == (False, full.files - 1)
-    assert prune_run(url, keep_last_n=1, include_unfinished=True, storage_options=options).removed == (1,)
+    assert prune_run(
+        url, keep_last_n=1, include_unfinished=True, storage_options=options
+    ).removed == (1,)
     assert _files(fs, root) == {}
 
 

@@ -24,11 +24,19 @@ pytest.importorskip("moto.server")
 from safetensors.torch import load as st_load  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
-from _checks import raises_in_checkpoint  # noqa: E402
-from _data import assert_checksums, assert_same, folder_bytes, headers_of, tensor_crc32, random_tensor, seed_of  # noqa: E402
-from _dist import run_ranks  # noqa: E402
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter  # noqa: E402
-from hf_dcp_storage.format.header import NAME_TO_DTYPE
+from hf_dcp_storage.format.header import NAME_TO_DTYPE  # noqa: E402
+from tests.support.checks import raises_in_checkpoint  # noqa: E402
+from tests.support.data import (  # noqa: E402
+    assert_checksums,
+    assert_same,
+    folder_bytes,
+    headers_of,
+    random_tensor,
+    seed_of,
+    tensor_crc32,
+)
+from tests.support.dist import run_ranks  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 STAGING_DIR = ".hf_dcp_staging"
@@ -67,16 +75,22 @@ def _read_back(objects: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         for key, t in st_load(objects[file]).items():
-            assert weight_map.get(key) == file, f"{file} holds {key!r}, the index maps it to {weight_map.get(key)!r}"
+            assert weight_map.get(key) == file, (
+                f"{file} holds {key!r}, the index maps it to {weight_map.get(key)!r}"
+            )
             assert key not in tensors
             tensors[key] = t
     assert set(tensors) == set(weight_map)
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
     assert_checksums(index, tensors)
     return tensors, index
 
 
-def _assert_equal_dicts(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str) -> None:
+def _assert_equal_dicts(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str
+) -> None:
     assert set(actual) == set(expected), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
     for key, t in expected.items():
         assert_same(actual[key], t.contiguous(), f"{where}: {key!r}")
@@ -93,7 +107,10 @@ def _is_multipart(fs: s3fs.S3FileSystem, path: str) -> bool:
 
 def _mixed_state_dict() -> dict[str, torch.Tensor]:
     """Every safetensors dtype, 0-dim, empty, non-contiguous, tied, and one 24 MiB tensor."""
-    sd = {f"dtype.{name}": random_tensor((3, 5), dtype, seed_of(name)) for name, dtype in sorted(NAME_TO_DTYPE.items())}
+    sd = {
+        f"dtype.{name}": random_tensor((3, 5), dtype, seed_of(name))
+        for name, dtype in sorted(NAME_TO_DTYPE.items())
+    }
     base = random_tensor((6, 4), torch.float32, 1)
     sd.update(
         {
@@ -112,7 +129,7 @@ def _mixed_state_dict() -> dict[str, torch.Tensor]:
     return sd
 
 
-# -- single process ---------------------------------------------------------------------------------
+# -- single process --------------------------------------------------------------------------------
 
 
 def test_round_trip_dtypes_odd_tensors_several_files_multipart(s3) -> None:
@@ -124,7 +141,9 @@ def test_round_trip_dtypes_odd_tensors_several_files_multipart(s3) -> None:
     dcp.save(sd, storage_writer=writer)
 
     objects = _objects(url, options)
-    assert not any(STAGING_DIR in name for name in objects), sorted(objects)  # staging removed after commit
+    assert not any(STAGING_DIR in name for name in objects), sorted(
+        objects
+    )  # staging removed after commit
     on_s3, index = _read_back(objects)
     _assert_equal_dicts(on_s3, sd, "safetensors.torch.load of the S3 objects")
     files = sorted(set(index["weight_map"].values()))
@@ -141,7 +160,12 @@ def test_round_trip_dtypes_odd_tensors_several_files_multipart(s3) -> None:
     assert stats.total_bytes == sum(len(objects[f]) for f in files)
     assert (stats.rank_part_bytes, stats.client_bytes) == (stats.total_bytes, 0)
 
-    out = {k: torch.full(v.shape, 7, dtype=v.dtype) if v.numel() else torch.empty(v.shape, dtype=v.dtype) for k, v in sd.items()}
+    out = {
+        k: torch.full(v.shape, 7, dtype=v.dtype)
+        if v.numel()
+        else torch.empty(v.shape, dtype=v.dtype)
+        for k, v in sd.items()
+    }
     dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options, thread_count=3))
     _assert_equal_dicts(out, sd, "dcp.load from S3")
 
@@ -149,13 +173,30 @@ def test_round_trip_dtypes_odd_tensors_several_files_multipart(s3) -> None:
 def test_index_json_is_exact(s3) -> None:
     bucket, options = s3
     url = f"{bucket}/run/step_1"
-    sd = {"a": torch.arange(100.0), "b": -torch.arange(100.0), "c": torch.ones(10, dtype=torch.bfloat16)}
+    sd = {
+        "a": torch.arange(100.0),
+        "b": -torch.arange(100.0),
+        "c": torch.ones(10, dtype=torch.bfloat16),
+    }
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size=500))
     objects = _objects(url, options)
-    assert sorted(objects) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
+    assert sorted(objects) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        INDEX,
+    ]
     assert json.loads(objects[INDEX]) == {
-        "metadata": {"total_size": 820, "checksum_algorithm": "crc32", "checksums": {k: tensor_crc32(v) for k, v in sd.items()}, "headers": headers_of(objects)},
-        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"},
+        "metadata": {
+            "total_size": 820,
+            "checksum_algorithm": "crc32",
+            "checksums": {k: tensor_crc32(v) for k, v in sd.items()},
+            "headers": headers_of(objects),
+        },
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        },
     }
 
 
@@ -163,8 +204,15 @@ def test_s3_files_are_byte_identical_to_a_local_save(s3, tmp_path) -> None:
     bucket, options = s3
     sd = _mixed_state_dict()
     local = tmp_path / "local"
-    dcp.save(sd, storage_writer=HFStorageWriter(str(local), max_shard_size="1KB"))  # direct pwrite path
-    dcp.save(sd, storage_writer=HFStorageWriter(f"{bucket}/ck", storage_options=options, max_shard_size="1KB"))
+    dcp.save(
+        sd, storage_writer=HFStorageWriter(str(local), max_shard_size="1KB")
+    )  # direct pwrite path
+    dcp.save(
+        sd,
+        storage_writer=HFStorageWriter(
+            f"{bucket}/ck", storage_options=options, max_shard_size="1KB"
+        ),
+    )
     on_s3, on_disk = _objects(f"{bucket}/ck", options), folder_bytes(local)
     assert sorted(on_s3) == sorted(on_disk) and len(on_disk) >= 4
     assert [n for n in on_disk if on_s3[n] != on_disk[n]] == []
@@ -185,13 +233,25 @@ def test_failed_save_leaves_no_index_and_a_later_save_cleans_up(s3) -> None:
     # "a" and "z" land in other files than "boom", so they do get uploaded.
     sd = {"a": torch.randn(64), "boom": torch.randn(64), "z": torch.randn(64)}
     with raises_in_checkpoint(OSError, "disk on fire"):
-        dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size=256, thread_count=1), planner=_FailingPlanner())
+        dcp.save(
+            sd,
+            storage_writer=HFStorageWriter(
+                url, storage_options=options, max_shard_size=256, thread_count=1
+            ),
+            planner=_FailingPlanner(),
+        )
     # Files a rank had already sent whole may be there (as on local disk), but no index: the
     # folder is not a checkpoint.
     left = _objects(url, options)
     assert INDEX not in left
-    with raises_in_checkpoint(AssertionError, r"has neither model.safetensors.index.json nor model.safetensors \(an unfinished save has no index\)"):
-        dcp.load({"a": torch.zeros(64)}, storage_reader=HFStorageReader(url, storage_options=options))
+    with raises_in_checkpoint(
+        AssertionError,
+        r"has neither model.safetensors.index.json nor model.safetensors \(an unfinished save has "
+        r"no index\)",
+    ):
+        dcp.load(
+            {"a": torch.zeros(64)}, storage_reader=HFStorageReader(url, storage_options=options)
+        )
     # A good save to the same prefix succeeds and removes the crashed save's staged objects.
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size=256))
     tensors, _ = _read_back(_objects(url, options))
@@ -203,9 +263,16 @@ def test_failed_save_aborts_its_multipart_upload(s3) -> None:
     partial staged object on the server."""
     bucket, options = s3
     url = f"{bucket}/run/step_1"
-    sd = {"big": torch.randn(1600, 1024), "boom": torch.randn(8)}  # one file: big's 6.25 MiB, then boom
+    sd = {
+        "big": torch.randn(1600, 1024),
+        "boom": torch.randn(8),
+    }  # one file: big's 6.25 MiB, then boom
     with raises_in_checkpoint(OSError, "disk on fire"):
-        dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, thread_count=1), planner=_FailingPlanner())
+        dcp.save(
+            sd,
+            storage_writer=HFStorageWriter(url, storage_options=options, thread_count=1),
+            planner=_FailingPlanner(),
+        )
     fs = _fs(options)
     assert fs.list_multipart_uploads(bucket.removeprefix("s3://")) == []
     # Only the save's own record is left (no index, no data): a later save to the path clears it.
@@ -219,7 +286,11 @@ def test_a_killed_saves_unfinished_uploads_are_aborted_by_the_next_save(s3) -> N
     url = f"{bucket}/run/step_1"
     fs = _fs(options)
     name = bucket.removeprefix("s3://")
-    for key in ("run/step_1/.hf_dcp_staging/model-00001-of-00001.safetensors.rank00003", "run/step_1/model-00001-of-00001.safetensors", "run/step_10/other"):
+    for key in (
+        "run/step_1/.hf_dcp_staging/model-00001-of-00001.safetensors.rank00003",
+        "run/step_1/model-00001-of-00001.safetensors",
+        "run/step_10/other",
+    ):
         fs.call_s3("create_multipart_upload", Bucket=name, Key=key)
     dcp.save({"w": torch.ones(8)}, storage_writer=HFStorageWriter(url, storage_options=options))
     assert [u["Key"] for u in fs.list_multipart_uploads(name)] == ["run/step_10/other"]
@@ -229,11 +300,19 @@ def test_existing_checkpoint_is_refused_then_replaced_with_overwrite(s3) -> None
     bucket, options = s3
     url = f"{bucket}/run/step_1"
     first = {"a": torch.ones(100), "b": torch.ones(100)}
-    dcp.save(first, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size=400))
+    dcp.save(
+        first, storage_writer=HFStorageWriter(url, storage_options=options, max_shard_size=400)
+    )
     before = _objects(url, options)
     assert len(before) == 3
-    with raises_in_checkpoint(FileExistsError, r"already holds a complete checkpoint \(model.safetensors.index.json\); pass HFStorageWriter\(..., overwrite=True\)"):
-        dcp.save({"a": torch.zeros(100)}, storage_writer=HFStorageWriter(url, storage_options=options))
+    with raises_in_checkpoint(
+        FileExistsError,
+        r"already holds a complete checkpoint \(model.safetensors.index.json\); pass "
+        r"HFStorageWriter\(..., overwrite=True\)",
+    ):
+        dcp.save(
+            {"a": torch.zeros(100)}, storage_writer=HFStorageWriter(url, storage_options=options)
+        )
     assert _objects(url, options) == before
     second = {"a": torch.full((100,), 5.0)}
     dcp.save(second, storage_writer=HFStorageWriter(url, storage_options=options, overwrite=True))
@@ -247,23 +326,52 @@ def test_save_to_a_missing_bucket_fails_without_creating_it(s3) -> None:
     _, options = s3
     missing = f"hf-dcp-missing-{uuid.uuid4().hex[:16]}"
     with pytest.raises(CheckpointException):
-        dcp.save({"w": torch.ones(4)}, storage_writer=HFStorageWriter(f"s3://{missing}/ck", storage_options=options))
+        dcp.save(
+            {"w": torch.ones(4)},
+            storage_writer=HFStorageWriter(f"s3://{missing}/ck", storage_options=options),
+        )
     assert not _fs(options).exists(missing)
 
 
 def test_key_mapping_and_save_dtype_round_trip(s3) -> None:
     bucket, options = s3
     url = f"{bucket}/run/step_1"
-    sd = {"model": {"embed": torch.randn(8, 4), "layers": {"0": {"w": torch.randn(4, 4)}}, "step": torch.tensor(3)}}
+    sd = {
+        "model": {
+            "embed": torch.randn(8, 4),
+            "layers": {"0": {"w": torch.randn(4, 4)}},
+            "step": torch.tensor(3),
+        }
+    }
     mapping = lambda fqn: fqn.replace("model.", "hf.").replace("layers.", "h.")  # noqa: E731
-    dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options), planner=HFSavePlanner(key_mapping=mapping, save_dtype=torch.bfloat16))
+    dcp.save(
+        sd,
+        storage_writer=HFStorageWriter(url, storage_options=options),
+        planner=HFSavePlanner(key_mapping=mapping, save_dtype=torch.bfloat16),
+    )
     on_s3, _ = _read_back(_objects(url, options))
-    assert {k: v.dtype for k, v in on_s3.items()} == {"hf.embed": torch.bfloat16, "hf.h.0.w": torch.bfloat16, "hf.step": torch.int64}
+    assert {k: v.dtype for k, v in on_s3.items()} == {
+        "hf.embed": torch.bfloat16,
+        "hf.h.0.w": torch.bfloat16,
+        "hf.step": torch.int64,
+    }
     assert torch.equal(on_s3["hf.embed"], sd["model"]["embed"].bfloat16())
-    out = {"model": {"embed": torch.zeros(8, 4), "layers": {"0": {"w": torch.zeros(4, 4, dtype=torch.float64)}}, "step": torch.tensor(0)}}
-    dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options), planner=HFLoadPlanner(key_mapping=mapping))
+    out = {
+        "model": {
+            "embed": torch.zeros(8, 4),
+            "layers": {"0": {"w": torch.zeros(4, 4, dtype=torch.float64)}},
+            "step": torch.tensor(0),
+        }
+    }
+    dcp.load(
+        out,
+        storage_reader=HFStorageReader(url, storage_options=options),
+        planner=HFLoadPlanner(key_mapping=mapping),
+    )
     assert torch.equal(out["model"]["embed"], sd["model"]["embed"].bfloat16().float())
-    assert torch.equal(out["model"]["layers"]["0"]["w"], sd["model"]["layers"]["0"]["w"].bfloat16().double())
+    assert torch.equal(
+        out["model"]["layers"]["0"]["w"], sd["model"]["layers"]["0"]["w"].bfloat16().double()
+    )
     assert out["model"]["step"].item() == 3
 
 
@@ -284,7 +392,11 @@ def test_default_s3fs_caches_save_overwrite_fail_load(s3) -> None:
     with raises_in_checkpoint(FileExistsError, "already holds a complete checkpoint"):
         dcp.save(v1, storage_writer=HFStorageWriter(url, storage_options=plain))
     with raises_in_checkpoint(OSError, "disk on fire"):
-        dcp.save({"a": torch.randn(50), "boom": torch.randn(50)}, storage_writer=HFStorageWriter(url, storage_options=plain, overwrite=True), planner=_FailingPlanner())
+        dcp.save(
+            {"a": torch.randn(50), "boom": torch.randn(50)},
+            storage_writer=HFStorageWriter(url, storage_options=plain, overwrite=True),
+            planner=_FailingPlanner(),
+        )
     with raises_in_checkpoint(AssertionError, "an unfinished save has no index"):
         dcp.load(_zeros_like(v1), storage_reader=HFStorageReader(url, storage_options=plain))
     v2 = {"a": torch.randn(50), "c": torch.randn(3, 3)}
@@ -296,7 +408,7 @@ def test_default_s3fs_caches_save_overwrite_fail_load(s3) -> None:
     _assert_equal_dicts(tensors, v2, "v2 on S3")
 
 
-# -- two ranks --------------------------------------------------------------------------------------
+# -- two ranks -------------------------------------------------------------------------------------
 
 # (name, shape, dtype, placement when saving on 2 ranks, placement when loading on 2 ranks)
 DIST_KEYS = [
@@ -329,17 +441,23 @@ def _dist_state_dict(mesh, which: int) -> dict[str, torch.Tensor]:
         name, tag = entry[0], entry[which]
         full = _dist_original(name)
         # src_data_rank=None: each rank cuts its shard from its own copy (no collective).
-        sd[name] = full if tag == "plain" else distribute_tensor(full, mesh, [placements[tag]], src_data_rank=None)
+        sd[name] = (
+            full
+            if tag == "plain"
+            else distribute_tensor(full, mesh, [placements[tag]], src_data_rank=None)
+        )
     return sd
 
 
-def _save_then_load_on_ranks(rank: int, world: int, endpoint: str, bucket: str, local_dir: str) -> None:
+def _save_then_load_on_ranks(
+    rank: int, world: int, endpoint: str, bucket: str, local_dir: str
+) -> None:
     """Every rank: save the DTensor state dict to S3 and to local disk, then load S3 resharded."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from conftest import s3_storage_options
+    from tests.support.storage_options import s3_storage_options
 
     options = s3_storage_options(endpoint)
     url = f"s3://{bucket}/run/step_1"
@@ -393,9 +511,15 @@ def test_stream_part_size_bounds_upload_buffers(s3) -> None:
     from hf_dcp_storage.io import fsio as _fsio
 
     bucket, options = s3
-    default_fs = s3fs.S3FileSystem(**{k: v for k, v in options.items() if k != "default_block_size"})
+    default_fs = s3fs.S3FileSystem(
+        **{k: v for k, v in options.items() if k != "default_block_size"}
+    )
     assert default_fs.default_block_size == 50 * 2**20
-    cases = [(default_fs, 10, 8 * 2**20), (default_fs, 100 * 10**9, -(-100 * 10**9 // 9000)), (_fs(options), 10, 5 * 2**20)]
+    cases = [
+        (default_fs, 10, 8 * 2**20),
+        (default_fs, 100 * 10**9, -(-100 * 10**9 // 9000)),
+        (_fs(options), 10, 5 * 2**20),
+    ]
     for fs, hint, expected in cases:
         f = _fsio.open_stream(fs, f"{bucket}/probe", hint)
         assert f.blocksize == expected, (hint, f.blocksize)

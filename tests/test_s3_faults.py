@@ -1,4 +1,5 @@
-"""S3 under faults: a pure-Python proxy (``_faultproxy.py``) between s3fs and the moto server.
+"""S3 under faults: a pure-Python proxy (``tests/support/faultproxy.py``) between s3fs and the moto
+server.
 
 botocore's own retries are switched off here (``total_max_attempts: 1``) so that every retry
 these tests see is the library's ``RetryPolicy``: transient faults (503 SlowDown, 500, resets,
@@ -21,12 +22,12 @@ pytest.importorskip("moto.server")
 
 from safetensors.torch import load as st_load  # noqa: E402
 
-from _checks import raises_in_checkpoint  # noqa: E402
-from _data import assert_same, folder_bytes, random_tensor  # noqa: E402
-from _dist import run_ranks  # noqa: E402
-from _faultproxy import Fault, FaultProxy  # noqa: E402
-from conftest import s3_storage_options  # noqa: E402
 from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy  # noqa: E402
+from tests.support.checks import raises_in_checkpoint  # noqa: E402
+from tests.support.data import assert_same, folder_bytes, random_tensor  # noqa: E402
+from tests.support.dist import run_ranks  # noqa: E402
+from tests.support.faultproxy import Fault, FaultProxy  # noqa: E402
+from tests.support.storage_options import s3_storage_options  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 # The deadline only bounds a broken retry loop: attempts end these tests' retries, and a deadline
@@ -36,7 +37,10 @@ FAST_RETRY = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadli
 
 def _options(endpoint: str) -> dict:
     """s3fs options through ``endpoint`` with botocore's retries off: only ours remain."""
-    return {**s3_storage_options(endpoint), "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
+    return {
+        **s3_storage_options(endpoint),
+        "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,9 @@ def _proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
 
 
 @pytest.fixture
-def proxied(_proxy: FaultProxy, s3_endpoint: str) -> Iterator[tuple[FaultProxy, str, dict, s3fs.S3FileSystem]]:
+def proxied(
+    _proxy: FaultProxy, s3_endpoint: str
+) -> Iterator[tuple[FaultProxy, str, dict, s3fs.S3FileSystem]]:
     """``(proxy, s3://bucket, options through the proxy, s3fs straight to moto)``, fresh bucket."""
     direct = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
     bucket = f"hf-dcp-fault-{uuid.uuid4().hex[:16]}"
@@ -81,11 +87,16 @@ def _save_to_s3_and_disk(rank: int, world: int, url: str, options: dict, local: 
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in _state_dict().items()}
+    sd = {
+        k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None)
+        for k, v in _state_dict().items()
+    }
     writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2)
     dcp.save(sd, storage_writer=writer)
     if rank == 0:  # the coordinator gathered the two ranks' small runs into one part
-        assert writer.merge_stats.client_bytes > 0 and writer.merge_stats.rank_part_bytes > 0, writer.merge_stats
+        assert writer.merge_stats.client_bytes > 0 and writer.merge_stats.rank_part_bytes > 0, (
+            writer.merge_stats
+        )
     dcp.save(sd, storage_writer=HFStorageWriter(local))
 
 
@@ -102,11 +113,17 @@ def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path) -
         # upload is gone (as S3 may say once it completed): the object is there, so it is done.
         proxy.add_fault(Fault("truncate", method="POST", query_has="uploadId", times=1)),
         proxy.add_fault(Fault("404", method="POST", query_has="uploadId", times=1)),
-        proxy.add_fault(Fault("503", method="PUT", query_has="partNumber", times=2)),  # a rank's part
+        proxy.add_fault(
+            Fault("503", method="PUT", query_has="partNumber", times=2)
+        ),  # a rank's part
         proxy.add_fault(Fault("500", method="PUT", path=r"\.rank\d+$", times=1)),  # a staged object
-        proxy.add_fault(Fault("reset", method="GET", path=r"\.rank\d+$", times=2)),  # gathering staged runs
+        proxy.add_fault(
+            Fault("reset", method="GET", path=r"\.rank\d+$", times=2)
+        ),  # gathering staged runs
         proxy.add_fault(Fault("truncate", method="GET", path=r"\.rank\d+$", times=1)),
-        proxy.add_fault(Fault("latency", method="POST", seconds=0.3, times=2)),  # create/complete uploads
+        proxy.add_fault(
+            Fault("latency", method="POST", seconds=0.3, times=2)
+        ),  # create/complete uploads
         proxy.add_fault(Fault("503", method="PUT", path=INDEX, times=1)),  # the commit
     ]
     local = tmp_path / "local"
@@ -124,7 +141,10 @@ def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path) -
         proxy.add_fault(Fault("truncate", method="GET", path=r"safetensors$", times=2)),
     ]
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options, retry=FAST_RETRY, verify=True))
+    dcp.load(
+        out,
+        storage_reader=HFStorageReader(url, storage_options=options, retry=FAST_RETRY, verify=True),
+    )
     assert [f.fired for f in load_faults] == [2, 1, 2]
     for k, v in sd.items():
         assert_same(out[k], v, k)
@@ -135,21 +155,39 @@ def test_a_persistent_503_fails_after_the_policy_with_no_index_and_no_upload(pro
     url = f"{bucket}/run/step_1"
     # One process, one 12 MiB file: the rank PUTs it whole, and every attempt gets a 503.
     fault = proxy.add_fault(Fault("503", method="PUT", path=r"safetensors$", times=None))
-    with raises_in_checkpoint(OSError, r"PUT s3://.*/run/step_1/model-00001-of-00001\.safetensors failed after 6 attempt\(s\)"):
-        dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY))
+    with raises_in_checkpoint(
+        OSError,
+        r"PUT s3://.*/run/step_1/model-00001-of-00001\.safetensors failed after 6 attempt\(s\)",
+    ):
+        dcp.save(
+            _state_dict(),
+            storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY),
+        )
     assert fault.fired >= 6  # counted, not timed
     assert INDEX not in _objects(direct, url)
     assert _unfinished_uploads(direct, bucket) == []
 
 
 def test_access_denied_fails_at_once_naming_operation_and_url(proxied) -> None:
-    proxy, bucket, options, direct = proxied
+    proxy, bucket, options, _direct = proxied
     url = f"{bucket}/run/step_1"
     dcp.save(_state_dict(), storage_writer=HFStorageWriter(url, storage_options=options))
     fault = proxy.add_fault(Fault("403", method="GET", path=r"safetensors$", times=None))
     # The index records the file's header, so the first GET of the file is a read of its data.
-    with raises_in_checkpoint(PermissionError, r"GET bytes \d+-\d+ of s3://.*/model-00001-of-00001\.safetensors failed: .*AccessDenied.*\(not retried: the error is permanent\)"):
-        dcp.load({k: torch.zeros_like(v) for k, v in _state_dict().items()}, storage_reader=HFStorageReader(url, storage_options=options, retry=RetryPolicy(max_attempts=10, base_delay=1.0), thread_count=1))
+    with raises_in_checkpoint(
+        PermissionError,
+        r"GET bytes \d+-\d+ of s3://.*/model-00001-of-00001\.safetensors failed: "
+        r".*AccessDenied.*\(not retried: the error is permanent\)",
+    ):
+        dcp.load(
+            {k: torch.zeros_like(v) for k, v in _state_dict().items()},
+            storage_reader=HFStorageReader(
+                url,
+                storage_options=options,
+                retry=RetryPolicy(max_attempts=10, base_delay=1.0),
+                thread_count=1,
+            ),
+        )
     assert fault.fired == 1  # one reading thread: its one GET, never repeated (counted, not timed)
 
 
@@ -158,24 +196,33 @@ def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failur
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in _state_dict().items()}
+    sd = {
+        k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None)
+        for k, v in _state_dict().items()
+    }
     writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY)
     if not expect_failure:
         dcp.save(sd, storage_writer=writer)
         return
     try:
         dcp.save(sd, storage_writer=writer)
-    except BaseException as exc:  # CheckpointException derives from BaseException
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException derives from BaseException
         assert "AccessDenied" in repr(exc) and "rank00001" in repr(exc), repr(exc)
     else:
-        raise AssertionError(f"rank {rank}: the save succeeded although rank 1's uploads were denied")
+        raise AssertionError(
+            f"rank {rank}: the save succeeded although rank 1's uploads were denied"
+        )
 
 
 def _read_state_dict() -> dict[str, torch.Tensor]:
     # Few, short GETs on purpose: moto copies the whole object on every GET.
     return {
-        "narrow": random_tensor((96, 512), torch.float32, 4),  # 1 KiB row halves: one request per rank
-        "wide": random_tensor((2, 2**20), torch.float32, 5),  # 2 MiB row halves and gaps: gaps skipped
+        "narrow": random_tensor(
+            (96, 512), torch.float32, 4
+        ),  # 1 KiB row halves: one request per rank
+        "wide": random_tensor(
+            (2, 2**20), torch.float32, 5
+        ),  # 2 MiB row halves and gaps: gaps skipped
         "norm": random_tensor((512,), torch.bfloat16, 6),
     }
 
@@ -187,7 +234,12 @@ def _load_on_ranks(rank: int, world: int, url: str, options: dict, dim: int) -> 
 
     mesh = init_device_mesh("cpu", (world,))
     full = _read_state_dict()
-    dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(min(dim, v.dim() - 1))], src_data_rank=None) for k, v in full.items()}
+    dest = {
+        k: distribute_tensor(
+            torch.zeros_like(v), mesh, [Shard(min(dim, v.dim() - 1))], src_data_rank=None
+        )
+        for k, v in full.items()
+    }
     dcp.load(dest, storage_reader=HFStorageReader(url, storage_options=options))
     for k, v in full.items():
         assert_same(dest[k].to_local(), v.chunk(world, dim=min(dim, v.dim() - 1))[rank], k)
@@ -211,13 +263,22 @@ def test_denied_uploads_on_one_rank_fail_the_save_on_every_rank(proxied) -> None
 def _save_two_files(rank: int, world: int, url: str, options: dict) -> None:
     """Two 40 MiB tensors that every rank holds: one rank writes each, into a file of its own
     (three parts, one multipart upload per file); rank 1's part uploads are denied."""
-    tensors = {k: random_tensor((10240, 1024), torch.float32, seed) for k, seed in (("a", 7), ("b", 8))}
+    tensors = {
+        k: random_tensor((10240, 1024), torch.float32, seed) for k, seed in (("a", 7), ("b", 8))
+    }
     try:
-        dcp.save(tensors, storage_writer=HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, max_shard_size="42MB"))
-    except BaseException as exc:  # CheckpointException derives from BaseException
+        dcp.save(
+            tensors,
+            storage_writer=HFStorageWriter(
+                url, storage_options=options, retry=FAST_RETRY, max_shard_size="42MB"
+            ),
+        )
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException derives from BaseException
         assert "AccessDenied" in repr(exc), repr(exc)
     else:
-        raise AssertionError(f"rank {rank}: the save succeeded although rank 1's part uploads were denied")
+        raise AssertionError(
+            f"rank {rank}: the save succeeded although rank 1's part uploads were denied"
+        )
 
 
 @pytest.mark.distributed
@@ -226,10 +287,22 @@ def test_a_failing_rank_aborts_the_uploads_of_files_it_had_no_part_in(proxied) -
     others too (from the save record), so no upload of the failed save is left open."""
     proxy, bucket, options, direct = proxied
     url = f"{bucket}/run/step_1"
-    fault = proxy.add_fault(Fault("403", method="PUT", path=r"model-00002-of-00002\.safetensors$", query_has="partNumber", times=None))
+    fault = proxy.add_fault(
+        Fault(
+            "403",
+            method="PUT",
+            path=r"model-00002-of-00002\.safetensors$",
+            query_has="partNumber",
+            times=None,
+        )
+    )
     run_ranks(_save_two_files, 2, url, options)
     assert fault.fired >= 1
-    uploads = [r for r in proxy.requests if r.method == "POST" and "uploads" in r.query and r.path.endswith(".safetensors")]
+    uploads = [
+        r
+        for r in proxy.requests
+        if r.method == "POST" and "uploads" in r.query and r.path.endswith(".safetensors")
+    ]
     assert len(uploads) == 2  # one multipart upload per file, each filled by one rank
     assert INDEX not in _objects(direct, url)
     assert _unfinished_uploads(direct, bucket) == []
@@ -248,7 +321,7 @@ def test_resharded_loads_fetch_what_they_need_in_few_requests(proxied) -> None:
     """A one-process save loaded on two ranks, counted by the proxy. Row shards: exactly the
     bytes needed. Column shards: 2 MiB row halves are fetched alone (no gap read), 1 KiB halves
     in one request per rank (reading the gaps costs less than ~100 more requests)."""
-    proxy, bucket, options, direct = proxied
+    proxy, bucket, options, _direct = proxied
     url = f"{bucket}/run/step_1"
     sd = _read_state_dict()
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options))
@@ -277,7 +350,10 @@ def _save_column_shards(rank: int, world: int, url: str, options: dict) -> None:
     mesh = init_device_mesh("cpu", (world,))
     # 1 KiB half-rows: every rank's runs are tiny and interleave row by row (8 MiB in all).
     full = random_tensor((4096, 512), torch.float32, 7)
-    dcp.save({"cols": distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None)}, storage_writer=HFStorageWriter(url, storage_options=options))
+    dcp.save(
+        {"cols": distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None)},
+        storage_writer=HFStorageWriter(url, storage_options=options),
+    )
 
 
 @pytest.mark.distributed
@@ -290,7 +366,11 @@ def test_a_gathered_part_reads_each_ranks_runs_with_one_request(proxied) -> None
     staged_gets = [r for r in proxy.requests if r.method == "GET" and ".rank0000" in r.path]
     size = 4096 * 512 * 4
     parts = -(-size // (5 << 20))  # gathered parts of about 5 MiB
-    assert 0 < len(staged_gets) <= 2 * parts, f"{len(staged_gets)} GETs of staged runs for {parts} parts"
+    assert 0 < len(staged_gets) <= 2 * parts, (
+        f"{len(staged_gets)} GETs of staged runs for {parts} parts"
+    )
     assert sum(r.response_bytes for r in staged_gets) == size
-    tensors = st_load(direct.cat_file(f"{direct._strip_protocol(url)}/model-00001-of-00001.safetensors"))
+    tensors = st_load(
+        direct.cat_file(f"{direct._strip_protocol(url)}/model-00001-of-00001.safetensors")
+    )
     assert_same(tensors["cols"], random_tensor((4096, 512), torch.float32, 7), "cols")

@@ -11,26 +11,38 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from _dist import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, placements_for, rank_load_state_dict, rank_save_plan, shard_range  # noqa: E402
-
-from hf_dcp_storage import HFStorageWriter  # noqa: E402
-from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans  # noqa: E402
-from hf_dcp_storage.stores import store_for_mode  # noqa: E402
+from benchmarks._synthetic_plans import (
+    LlamaConfig,
+    Mesh,
+    llama_shapes,
+    placements_for,
+    rank_load_state_dict,
+    rank_save_plan,
+    shard_range,
+)
+from hf_dcp_storage import HFStorageWriter
+from hf_dcp_storage.plan.compact import plan_save
+from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans
+from hf_dcp_storage.stores import store_for_mode
+from tests.support.dist import run_ranks
 
 # Every dimension splits unevenly over 4 ranks and over a 2x2 mesh, and on 4 ranks the last
 # one holds an empty shard of k/v (3 rows: 1, 1, 1, 0).
@@ -53,14 +65,19 @@ def test_shard_range_follows_torch_chunk() -> None:
 
 
 def _compare_with_dtensors(rank: int, world: int) -> None:
-    """On every rank: DCP's own local save plan and load plan of real DTensors equal the synthetic ones."""
+    """On every rank: DCP's own local save plan and load plan of real DTensors equal the synthetic
+    ones."""
     shapes = llama_shapes(UNEVEN)
     for mesh in (Mesh(world), Mesh(world // 2, 2)):
         device_mesh = init_device_mesh("cpu", mesh.shape)
         sd = {}
         for key, shape in shapes:
-            placements = [Replicate() if d is None else Shard(d) for d in placements_for(shape, mesh)]
-            sd[key] = distribute_tensor(torch.zeros(shape, dtype=torch.bfloat16), device_mesh, placements)
+            placements = [
+                Replicate() if d is None else Shard(d) for d in placements_for(shape, mesh)
+            ]
+            sd[key] = distribute_tensor(
+                torch.zeros(shape, dtype=torch.bfloat16), device_mesh, placements
+            )
         planner = DefaultSavePlanner()
         planner.set_up_planner(sd, is_coordinator=rank == 0)
         real = planner.create_local_plan()
@@ -71,11 +88,18 @@ def _compare_with_dtensors(rank: int, world: int) -> None:
         # Load side: the shape-only destination asks for the same reads as the DTensors.
         md = Metadata(
             {
-                key: TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(shape), [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))])
+                key: TensorStorageMetadata(
+                    TensorProperties(dtype=torch.bfloat16),
+                    torch.Size(shape),
+                    [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))],
+                )
                 for key, shape in shapes
             }
         )
-        assert create_default_local_load_plan(rank_load_state_dict(shapes, mesh, rank), md).items == create_default_local_load_plan(sd, md).items
+        assert (
+            create_default_local_load_plan(rank_load_state_dict(shapes, mesh, rank), md).items
+            == create_default_local_load_plan(sd, md).items
+        )
 
 
 @pytest.mark.distributed
@@ -92,30 +116,67 @@ def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, i
     shapes = llama_shapes(cfg)
     mesh = Mesh.of(world, tp)
     writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
-    writer.store = store = store_for_mode("direct" if mode == "local" else mode, writer.fs, writer.root, retry=writer.retry, threads=writer.thread_count)
-    chunks = [writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data for r in range(world)]
+    writer.store = store = store_for_mode(
+        "direct" if mode == "local" else mode,
+        writer.fs,
+        writer.root,
+        retry=writer.retry,
+        threads=writer.thread_count,
+    )
+    chunks = [
+        writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data
+        for r in range(world)
+    ]
     best = float("inf")
     # CPU time of this process, best of 5: other jobs on the machine (a shared 2-core VM) stretch
     # wall time by several times and made this test flaky; they barely move our own CPU time.
     for _ in range(5):
         t = time.process_time()
-        layout, tables, tasks = writer._plan_compact(chunks)
+        planned = plan_save(
+            chunks,
+            max_shard_bytes=writer.max_shard_bytes,
+            fqn_to_index_mapping=writer.fqn_to_index_mapping,
+            placement=store.needs_placement,
+        )
+        layout, tables = planned.layout, planned.tables
+        tasks = store.plan(layout, planned.placed, world)
         best = min(best, time.process_time() - t)
     # The layout part of each rank's plan (on S3 with its own parts); a rank given finishing
     # work also gets that work's addresses, checked by test_spread.py.
-    plans = writer_rank_plans([SavePlan([]) for _ in range(world)], layout, "0" * 32, mode == "local", [{}] * world, tables, tasks, store.rank_data(world))
+    plans = writer_rank_plans(
+        [SavePlan([]) for _ in range(world)],
+        layout,
+        "0" * 32,
+        mode == "local",
+        [{}] * world,
+        tables,
+        tasks,
+        store.rank_data(world),
+    )
     sent = max(len(pickle.dumps(dataclasses.replace(p.storage_data, tasks=()))) for p in plans)
     return best, sent, sum(len(c.rows) for c in chunks)
 
 
-@pytest.mark.parametrize("tp, mode", [(1, "local"), (1, "staged"), (1, "s3"), (2, "local")], ids=["fsdp-local", "fsdp-staged", "fsdp-s3", "fsdp_tp-local"])
+@pytest.mark.parametrize(
+    "tp, mode",
+    [(1, "local"), (1, "staged"), (1, "s3"), (2, "local")],
+    ids=["fsdp-local", "fsdp-staged", "fsdp-s3", "fsdp_tp-local"],
+)
 def test_planning_stays_linear_in_ranks(tp: int, mode: str) -> None:
     t1, sent1, items1 = _measure(SCALING, 256, tp, mode)
     t4, sent4, items4 = _measure(SCALING, 1024, tp, mode)
-    assert items4 >= 3 * items1  # fewer than 4x where DCP's dedup drops the trailing ranks' empty shards
-    assert t4 <= 8 * t1 * items4 / (4 * items1), f"4x the ranks: planning {t1 * 1e3:.1f} ms -> {t4 * 1e3:.1f} ms ({t4 / t1:.1f}x), worse than linear"
-    # Each rank receives its own part only: the same items, so about the same bytes, at 4x the ranks.
-    assert sent4 <= 1.1 * sent1 + 1024, f"per-rank storage_data grew from {sent1} to {sent4} bytes with 4x the ranks"
+    assert (
+        items4 >= 3 * items1
+    )  # fewer than 4x where DCP's dedup drops the trailing ranks' empty shards
+    assert t4 <= 8 * t1 * items4 / (4 * items1), (
+        f"4x the ranks: planning {t1 * 1e3:.1f} ms -> {t4 * 1e3:.1f} ms ({t4 / t1:.1f}x), worse "
+        "than linear"
+    )
+    # Each rank receives its own part only: the same items, so about the same bytes, at 4x the
+    # ranks.
+    assert sent4 <= 1.1 * sent1 + 1024, (
+        f"per-rank storage_data grew from {sent1} to {sent4} bytes with 4x the ranks"
+    )
 
 
 @pytest.mark.parametrize("mode", ["local", "staged", "s3"])
@@ -125,4 +186,7 @@ def test_planning_stays_linear_in_tensors(mode: str) -> None:
     t1, _, items1 = _measure(few, 64, 1, mode)
     t4, _, items4 = _measure(many, 64, 1, mode)
     assert items4 >= 3 * items1
-    assert t4 <= 8 * t1 * items4 / (4 * items1), f"{items4 / items1:.1f}x the tensors: planning {t1 * 1e3:.1f} ms -> {t4 * 1e3:.1f} ms ({t4 / t1:.1f}x), worse than linear"
+    assert t4 <= 8 * t1 * items4 / (4 * items1), (
+        f"{items4 / items1:.1f}x the tensors: planning {t1 * 1e3:.1f} ms -> {t4 * 1e3:.1f} ms "
+        f"({t4 / t1:.1f}x), worse than linear"
+    )

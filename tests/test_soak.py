@@ -1,7 +1,9 @@
-"""The soak (``_soak.py``), short: seeded fault schedules over many saves and loads, against moto.
+"""The soak (``tests/support/soak.py``), short: seeded fault schedules over many saves and loads,
+against moto.
 
-The long version is ``scripts/soak_s3.py`` (results in ``benchmarks/results/``). Below it, one
-test per bug the soak found and fixed (``stores/s3_requests.py``, ``reader.py``, ``io/retry.py``, ``writer.py``).
+The long version is ``scripts/experiments/soak_s3.py`` (results in ``benchmarks/results/``). Below
+it, one test per bug the soak found and fixed (``stores/s3_requests.py``, ``reader.py``,
+``io/retry.py``, ``writer.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import torch.distributed.checkpoint as dcp
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from _data import assert_same, random_tensor  # noqa: E402
-from _faultproxy import Fault, FaultProxy  # noqa: E402
-from _soak import BOUNDED_FIRES, KINDS, POLICY, soak  # noqa: E402
-from conftest import s3_storage_options  # noqa: E402
 from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy  # noqa: E402
-from hf_dcp_storage.io.retry import RemoteOperationError, is_transient
+from hf_dcp_storage.io.retry import RemoteOperationError, is_transient  # noqa: E402
+from tests.support.data import assert_same, random_tensor  # noqa: E402
+from tests.support.faultproxy import Fault, FaultProxy  # noqa: E402
+from tests.support.soak import BOUNDED_FIRES, KINDS, POLICY, soak  # noqa: E402
+from tests.support.storage_options import s3_storage_options  # noqa: E402
 
 # The moto server only: quick to write to, and enough to find bugs (radosgw has test_s3_faults.py).
 moto_only = pytest.mark.parametrize("s3_endpoint", ["moto"], indirect=True)
@@ -44,7 +46,11 @@ def test_a_short_soak_loses_no_bytes_and_fails_only_cleanly(s3_endpoint: str) ->
     assert report.loads_ok == report.loads == 2 * report.completed + report.failed
     assert all(report.faults[k] > 0 for k in KINDS), report.faults
     assert sum(report.load_faults.values()) > 0
-    assert report.failed >= 1 and report.failed_clean == report.failed and report.resaves_ok == report.failed
+    assert (
+        report.failed >= 1
+        and report.failed_clean == report.failed
+        and report.resaves_ok == report.failed
+    )
     assert report.completed_after_faults >= 1
     assert report.bytes_saved > 0
 
@@ -60,7 +66,10 @@ def proxied(s3_endpoint: str) -> Iterator[tuple[FaultProxy, str, dict, s3fs.S3Fi
     direct.mkdir(bucket)
     with FaultProxy(upstream=s3_endpoint) as proxy:
         # botocore's retries off: only the library's remain.
-        options = {**s3_storage_options(proxy.endpoint), "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
+        options = {
+            **s3_storage_options(proxy.endpoint),
+            "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}},
+        }
         yield proxy, f"s3://{bucket}/ckpt", options, direct
         assert proxy.errors == []
     direct.rm(bucket, recursive=True)
@@ -68,12 +77,19 @@ def proxied(s3_endpoint: str) -> Iterator[tuple[FaultProxy, str, dict, s3fs.S3Fi
 
 def _big_state_dict() -> dict[str, torch.Tensor]:
     # 20 MiB in one file: one process uploads it in two parts (16 MiB parts), so a multipart upload.
-    return {"w": random_tensor((5120, 1024), torch.float32, 11), "b": random_tensor((1024,), torch.bfloat16, 12)}
+    return {
+        "w": random_tensor((5120, 1024), torch.float32, 11),
+        "b": random_tensor((1024,), torch.bfloat16, 12),
+    }
 
 
 def _load(url: str, options: dict, expected: dict[str, torch.Tensor]) -> None:
     out = {k: torch.zeros_like(v) for k, v in expected.items()}
-    dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options, retry=POLICY), no_dist=True)
+    dcp.load(
+        out,
+        storage_reader=HFStorageReader(url, storage_options=options, retry=POLICY),
+        no_dist=True,
+    )
     for k, v in expected.items():
         assert_same(out[k], v, k)
 
@@ -86,7 +102,9 @@ def test_a_create_upload_whose_answer_was_lost_leaves_no_orphan_upload(proxied) 
     proxy, url, options, direct = proxied
     fault = proxy.add_fault(Fault("truncate", method="POST", query_has="uploads", times=1))
     sd = _big_state_dict()
-    dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options, retry=POLICY), no_dist=True)
+    dcp.save(
+        sd, storage_writer=HFStorageWriter(url, storage_options=options, retry=POLICY), no_dist=True
+    )
     assert fault.fired == 1
     creates = [r for r in proxy.requests if r.method == "POST" and r.query == "uploads"]
     assert len(creates) == 2  # the lost answer, then the retry
@@ -98,7 +116,7 @@ def test_a_create_upload_whose_answer_was_lost_leaves_no_orphan_upload(proxied) 
 def test_a_500_or_a_reset_on_reading_the_index_is_retried(proxied) -> None:
     """The index is read through s3fs, which retries neither a 500 nor a reset: one of either
     failed the load."""
-    proxy, url, options, direct = proxied
+    proxy, url, options, _direct = proxied
     sd = {"w": random_tensor((256, 256), torch.float32, 13)}
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options), no_dist=True)
     faults = [
@@ -114,31 +132,42 @@ def test_a_500_or_a_reset_on_reading_the_index_is_retried(proxied) -> None:
 def test_a_500_on_the_size_of_a_file_whose_header_a_verified_load_reads_is_retried(proxied) -> None:
     """``verify=True`` reads every file's own header, taking its size from a HEAD through s3fs,
     which does not retry a 500: one failed the load."""
-    proxy, url, options, direct = proxied
+    proxy, url, options, _direct = proxied
     sd = {"w": random_tensor((256, 256), torch.float32, 16)}
     dcp.save(sd, storage_writer=HFStorageWriter(url, storage_options=options), no_dist=True)
     fault = proxy.add_fault(Fault("500", method="HEAD", path=r"\.safetensors$", times=2))
     out = {"w": torch.zeros(256, 256)}
-    dcp.load(out, storage_reader=HFStorageReader(url, storage_options=options, retry=POLICY, verify=True), no_dist=True)
+    dcp.load(
+        out,
+        storage_reader=HFStorageReader(url, storage_options=options, retry=POLICY, verify=True),
+        no_dist=True,
+    )
     assert fault.fired == 2
     assert_same(out["w"], sd["w"], "w")
 
 
 @moto_only
 def test_a_missing_or_malformed_index_still_fails_at_once_with_its_own_error(proxied) -> None:
-    proxy, url, options, direct = proxied
-    reader = HFStorageReader(url, storage_options=options, retry=RetryPolicy(max_attempts=5, base_delay=10))
+    _proxy, url, options, direct = proxied
+    reader = HFStorageReader(
+        url, storage_options=options, retry=RetryPolicy(max_attempts=5, base_delay=10)
+    )
     with pytest.raises(FileNotFoundError, match="is not an HF checkpoint"):
         reader.read_metadata()  # no sleep of 10 s: a permanent failure is not retried
     direct.pipe_file(f"{url.removeprefix('s3://')}/{INDEX}", b"{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        HFStorageReader(url, storage_options=options, retry=RetryPolicy(max_attempts=5, base_delay=10)).read_metadata()
+        HFStorageReader(
+            url, storage_options=options, retry=RetryPolicy(max_attempts=5, base_delay=10)
+        ).read_metadata()
 
 
 class _ClientError(Exception):
     def __init__(self, code: str, status: int) -> None:
         super().__init__(f"An error occurred ({code})")
-        self.response = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        self.response = {
+            "Error": {"Code": code, "Message": code},
+            "ResponseMetadata": {"HTTPStatusCode": status},
+        }
 
 
 def _translated(code: str, status: int) -> OSError:
@@ -165,18 +194,25 @@ def _gave_up() -> RemoteOperationError:
         (_gave_up(), False),  # else a retry around a retried call would multiply the attempts
     ],
 )
-def test_errors_s3fs_translated_are_judged_by_their_cause(exc: BaseException, transient: bool) -> None:
+def test_errors_s3fs_translated_are_judged_by_their_cause(
+    exc: BaseException, transient: bool
+) -> None:
     assert is_transient(exc) is transient
 
 
 def test_keep_permanent_retries_transient_failures_and_passes_the_rest_unchanged() -> None:
-    failures: list[BaseException] = [_translated("InternalError", 500), ValueError("malformed index")]
+    failures: list[BaseException] = [
+        _translated("InternalError", 500),
+        ValueError("malformed index"),
+    ]
 
     def fn() -> None:
         raise failures.pop(0)
 
-    with pytest.raises(ValueError, match="^malformed index$"):
-        RetryPolicy(max_attempts=BOUNDED_FIRES + 2).call(fn, operation="GET", url="s3://b/k", sleep=lambda s: None, keep_permanent=True)
+    with pytest.raises(ValueError, match=r"^malformed index$"):
+        RetryPolicy(max_attempts=BOUNDED_FIRES + 2).call(
+            fn, operation="GET", url="s3://b/k", sleep=lambda s: None, keep_permanent=True
+        )
     assert failures == []
 
 
@@ -184,10 +220,16 @@ def test_keep_permanent_retries_transient_failures_and_passes_the_rest_unchanged
 
 
 @moto_only
-def test_a_500_on_removing_the_staging_folder_after_the_commit_does_not_fail_the_save(proxied) -> None:
+def test_a_500_on_removing_the_staging_folder_after_the_commit_does_not_fail_the_save(
+    proxied,
+) -> None:
     proxy, url, options, direct = proxied
     fault = proxy.add_fault(Fault("500", method="POST", query_has="delete", times=1))
-    dcp.save({"w": random_tensor((64, 64), torch.float32, 14)}, storage_writer=HFStorageWriter(url, storage_options=options, retry=POLICY), no_dist=True)
+    dcp.save(
+        {"w": random_tensor((64, 64), torch.float32, 14)},
+        storage_writer=HFStorageWriter(url, storage_options=options, retry=POLICY),
+        no_dist=True,
+    )
     assert fault.fired == 1
     root = url.removeprefix("s3://")
     assert direct.exists(f"{root}/{INDEX}")
@@ -197,8 +239,14 @@ def test_a_500_on_removing_the_staging_folder_after_the_commit_does_not_fail_the
 
 @moto_only
 def test_a_500_on_listing_the_destination_is_retried(proxied) -> None:
-    proxy, url, options, direct = proxied
+    proxy, url, options, _direct = proxied
     bucket = url.removeprefix("s3://").split("/")[0]
-    fault = proxy.add_fault(Fault("500", method="GET", path=f"^/{bucket}$", query_has="list-type", times=1))
-    dcp.save({"w": random_tensor((64, 64), torch.float32, 15)}, storage_writer=HFStorageWriter(url, storage_options=options, retry=POLICY), no_dist=True)
+    fault = proxy.add_fault(
+        Fault("500", method="GET", path=f"^/{bucket}$", query_has="list-type", times=1)
+    )
+    dcp.save(
+        {"w": random_tensor((64, 64), torch.float32, 15)},
+        storage_writer=HFStorageWriter(url, storage_options=options, retry=POLICY),
+        no_dist=True,
+    )
     assert fault.fired == 1

@@ -9,10 +9,10 @@ own writes stops the others instead of leaving them waiting. Pure planning on sy
 
 from __future__ import annotations
 
+import itertools
 import json
 import pickle
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,19 +21,32 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from _data import assert_same, folder_bytes, random_tensor, seed_of
-from _dist import run_ranks
+from benchmarks._synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan
+from benchmarks.bench_scale import bytes_per_rank, dcp_global_plan, object_local_plan, plan_ours
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
-from hf_dcp_storage.plan.layout import chunk_runs, chunk_runs_array, collect_tensor_specs, parse_size, place_items, plan_layout
-from hf_dcp_storage.plan.placed import place_items as place_written
-from hf_dcp_storage.plan.s3parts import GatherPart, RankPart, route_run
-from hf_dcp_storage.plan.spread import GatherTask, MergeTask, assign
 from hf_dcp_storage.io.retry import RetryPolicy
+from hf_dcp_storage.plan.layout import (
+    chunk_runs,
+    chunk_runs_array,
+    collect_tensor_specs,
+    parse_size,
+    place_items,
+    plan_layout,
+)
+from hf_dcp_storage.plan.parts import GatherPart, RankPart, route_run
+from hf_dcp_storage.plan.placed import place_items as place_written
+from hf_dcp_storage.plan.spread import GatherTask, MergeTask, assign
 from hf_dcp_storage.stores import store_for_mode
 from hf_dcp_storage.stores.base import in_write_order as _in_write_order
+from tests.support.data import assert_same, folder_bytes, random_tensor, seed_of
+from tests.support.dist import run_ranks
 
 
 def _plan_tasks(layout, mode, placed, world):
@@ -42,9 +55,6 @@ def _plan_tasks(layout, mode, placed, world):
     store = store_for_mode(mode, None, "", retry=RetryPolicy(), threads=1)
     return (store if mode == "s3" else None), store.plan(layout, placed, world)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan  # noqa: E402
-from bench_scale import bytes_per_rank, dcp_global_plan, object_local_plan, plan_ours  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 # One layer of a 1B-class model over 64 ranks: every rank's run of a weight is under 5 MiB, so
@@ -74,7 +84,10 @@ def test_assign_keeps_every_rank_within_one_task_of_the_others() -> None:
 
 def _object_plans(world: int):
     writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
-    plans = [object_local_plan(rank_save_plan(llama_shapes(SMALL_RUNS), Mesh(world), r)) for r in range(world)]
+    plans = [
+        object_local_plan(rank_save_plan(llama_shapes(SMALL_RUNS), Mesh(world), r))
+        for r in range(world)
+    ]
     global_plan, _ = dcp_global_plan(plans, {})
     return writer, global_plan
 
@@ -82,7 +95,12 @@ def _object_plans(world: int):
 def test_every_gathered_s3_part_is_given_to_one_rank_and_the_bytes_are_balanced() -> None:
     writer, global_plan = _object_plans(64)
     ours = plan_ours(writer, global_plan, "s3")
-    gathers = {(f, p.number): p for f, parts in enumerate(ours.s3_parts) for p in parts if isinstance(p, GatherPart)}
+    gathers = {
+        (f, p.number): p
+        for f, parts in enumerate(ours.s3_parts)
+        for p in parts
+        if isinstance(p, GatherPart)
+    }
     total = sum(f.size for f in ours.layout.files)
     assert sum(p.nbytes for p in gathers.values()) > 0.9 * total  # the situation this is for
     tasks = [p.storage_data.tasks for p in ours.rank_plans]
@@ -94,10 +112,17 @@ def test_every_gathered_s3_part_is_given_to_one_rank_and_the_bytes_are_balanced(
     # Bytes each rank moves: its own (uploaded once), and its gathered parts (read and written).
     # Tasks are ~16 MiB parts, so the balance is one task: the busiest rank moves at most one
     # gathered part (read and written) more than the idlest.
-    moved = [own + 2 * sum(t.nbytes for t in ts) for own, ts in zip(bytes_per_rank(global_plan), tasks, strict=True)]
+    moved = [
+        own + 2 * sum(t.nbytes for t in ts)
+        for own, ts in zip(bytes_per_rank(global_plan), tasks, strict=True)
+    ]
     largest = max(t.nbytes for ts in tasks for t in ts)
-    assert max(moved) - min(moved) <= 2 * largest, f"moved per rank: {min(moved)}..{max(moved)} B, largest task {largest} B"
-    assert sum(1 for ts in tasks if ts) == min(64, len(gathers))  # the coordinator is one of them, not the one
+    assert max(moved) - min(moved) <= 2 * largest, (
+        f"moved per rank: {min(moved)}..{max(moved)} B, largest task {largest} B"
+    )
+    assert sum(1 for ts in tasks if ts) == min(
+        64, len(gathers)
+    )  # the coordinator is one of them, not the one
     assert max(len(ts) for ts in tasks) <= -(-len(gathers) // 64) + 1
     assert all(p.storage_data.meet and p.storage_data.world == 64 for p in ours.rank_plans)
 
@@ -105,7 +130,9 @@ def test_every_gathered_s3_part_is_given_to_one_rank_and_the_bytes_are_balanced(
 def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> None:
     writer, global_plan = _object_plans(16)
     ours = plan_ours(writer, global_plan, "local")  # layout and placements; tasks planned below
-    _, tasks = _plan_tasks(ours.layout, "staged", place_written(ours.layout, global_plan), len(global_plan))
+    _, tasks = _plan_tasks(
+        ours.layout, "staged", place_written(ours.layout, global_plan), len(global_plan)
+    )
     assert tasks is not None
     merges = sorted((t for ts in tasks for t in ts), key=lambda t: t.file)
     assert [t.file for t in merges] == list(range(len(ours.layout.files)))
@@ -113,14 +140,24 @@ def test_each_file_of_a_staged_save_is_merged_by_one_rank_from_every_piece() -> 
         assert isinstance(t, MergeTask)
         plan = ours.layout.files[t.file]
         assert (t.header, t.nbytes) == (plan.header, plan.size)
-        assert sum(p.itemsize * torch.Size(p.sizes).numel() for p in t.pieces(str)) == plan.size - len(plan.header)
-    assert len([ts for ts in tasks if ts]) == min(16, len(ours.layout.files))  # one file each while ranks last
+        assert sum(
+            p.itemsize * torch.Size(p.sizes).numel() for p in t.pieces(str)
+        ) == plan.size - len(plan.header)
+    assert len([ts for ts in tasks if ts]) == min(
+        16, len(ours.layout.files)
+    )  # one file each while ranks last
     assert _plan_tasks(ours.layout, "direct", None, len(global_plan)) == (None, None)
 
 
-def _item(key: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:
+def _item(
+    key: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+) -> WriteItem:
     chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-    return WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, TensorProperties(dtype=torch.uint8), torch.Size(shape)))
+    return WriteItem(
+        index=MetadataIndex(key, torch.Size(offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk, TensorProperties(dtype=torch.uint8), torch.Size(shape)),
+    )
 
 
 def _two_chunk_plans(world: int) -> list[SavePlan]:
@@ -133,7 +170,14 @@ def _two_chunk_plans(world: int) -> list[SavePlan]:
             w = cols // (2 * world)
             items += [_item(key, (rows, cols), (0, b * w), (rows, w)) for b in (r, r + world)]
         rows = (3 << 20) // 1000
-        items.append(_item("c", (rows, 1000), (r * rows // world, 0), ((r + 1) * rows // world - r * rows // world, 1000)))
+        items.append(
+            _item(
+                "c",
+                (rows, 1000),
+                (r * rows // world, 0),
+                ((r + 1) * rows // world - r * rows // world, 1000),
+            )
+        )
         plans.append(SavePlan(items))
     return plans
 
@@ -156,19 +200,34 @@ def _own_parts_then_columns_plans(world: int) -> list[SavePlan]:
     """Row shards of 6 MiB (each rank's own parts), then column shards and small row shards in
     the same file: what a rank stages of the file starts after the bytes it sent itself."""
     plans: list[list[WriteItem]] = [[] for _ in range(world)]
-    for key, rows, cols in (("a_big", world * 6144, 1024), ("b_cols", 4096, world * 600), ("c_small", world * 64, 1000), ("d_big", world * 6144, 1024)):
+    for key, rows, cols in (
+        ("a_big", world * 6144, 1024),
+        ("b_cols", 4096, world * 600),
+        ("c_small", world * 64, 1000),
+        ("d_big", world * 6144, 1024),
+    ):
         for r in range(world):
             if key == "b_cols":
                 plans[r].append(_item(key, (rows, cols), (0, r * 600), (rows, 600)))
             else:
-                plans[r].append(_item(key, (rows, cols), (r * rows // world, 0), (rows // world, cols)))
+                plans[r].append(
+                    _item(key, (rows, cols), (r * rows // world, 0), (rows // world, cols))
+                )
     return [SavePlan(items) for items in plans]
 
 
 def _dtensor_plans(world: int) -> list[SavePlan]:
     """DCP's plans for FSDP x TP DTensors (uint8 here, so the bytes are easy to make)."""
-    shapes = [("wq", (4096, 4096)), ("w1", (6000, 2048)), ("w2", (2048, 6000)), ("norm", (1024,)), ("emb", (8192, 1024))]
-    plans = [rank_save_plan(shapes, Mesh(world // 2, 2), r, dtype=torch.uint8) for r in range(world)]
+    shapes = [
+        ("wq", (4096, 4096)),
+        ("w1", (6000, 2048)),
+        ("w2", (2048, 6000)),
+        ("norm", (1024,)),
+        ("emb", (8192, 1024)),
+    ]
+    plans = [
+        rank_save_plan(shapes, Mesh(world // 2, 2), r, dtype=torch.uint8) for r in range(world)
+    ]
     return dcp_global_plan(plans, {})[0]
 
 
@@ -176,15 +235,34 @@ def _fsdp_plans(world: int) -> list[SavePlan]:
     """DCP's plans for FSDP DTensors with runs on both sides of S3's 5 MiB part minimum."""
     # In one file: small runs, then 8 MiB runs (the gap before them takes the first one's
     # front), small runs, 6 MiB runs (too short to give: the first is gathered whole), small.
-    shapes = [("w", (1000, 3000)), ("norm", (1024,)), ("emb", (8192, 8192)), ("w2", (3000, 1000)), ("emb2", (6144, 8192)), ("w3", (1000, 3000))]
+    shapes = [
+        ("w", (1000, 3000)),
+        ("norm", (1024,)),
+        ("emb", (8192, 8192)),
+        ("w2", (3000, 1000)),
+        ("emb2", (6144, 8192)),
+        ("w3", (1000, 3000)),
+    ]
     plans = [rank_save_plan(shapes, Mesh(world), r, dtype=torch.uint8) for r in range(world)]
     return dcp_global_plan(plans, {})[0]
 
 
 @pytest.mark.parametrize(
     "make",
-    [_dtensor_plans, _two_chunk_plans, _fsdp_plans, _uneven_column_plans, _own_parts_then_columns_plans],
-    ids=["dtensor-2d", "two-chunks-per-rank", "fsdp-big-and-small", "columns-no-grid", "own-parts-then-columns"],
+    [
+        _dtensor_plans,
+        _two_chunk_plans,
+        _fsdp_plans,
+        _uneven_column_plans,
+        _own_parts_then_columns_plans,
+    ],
+    ids=[
+        "dtensor-2d",
+        "two-chunks-per-rank",
+        "fsdp-big-and-small",
+        "columns-no-grid",
+        "own-parts-then-columns",
+    ],
 )
 def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make) -> None:
     """Stage every rank's bytes as ``_write_s3`` routes them, then assemble each gathered part
@@ -198,43 +276,94 @@ def test_gathered_parts_read_back_the_file_bytes_from_the_ranks_staging(make) ->
     s3, rank_tasks = _plan_tasks(layout, "s3", place_written(layout, plans), world)
     assert s3 is not None and rank_tasks is not None
     s3_parts = s3.parts
-    full = {k: torch.randint(0, 256, spec.shape, generator=torch.Generator().manual_seed(i), dtype=torch.uint8) for i, (k, spec) in enumerate(layout.specs.items())}
+    full = {
+        k: torch.randint(
+            0, 256, spec.shape, generator=torch.Generator().manual_seed(i), dtype=torch.uint8
+        )
+        for i, (k, spec) in enumerate(layout.specs.items())
+    }
     files = [bytearray(f.header) + bytearray(f.size - len(f.header)) for f in layout.files]
     for k, t in full.items():
         f = layout.weight_map[k]
         file = layout.names.index(f)
-        files[file][layout.tensor_start[k] : layout.tensor_start[k] + t.numel()] = t.numpy().tobytes()
+        files[file][layout.tensor_start[k] : layout.tensor_start[k] + t.numel()] = (
+            t.numpy().tobytes()
+        )
     staged: dict[tuple[int, int], bytearray] = {}
     for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
         for item in _in_write_order(plan.items, lambda it: layout.tensor_start[it.index.fqn]):
             td, place = item.tensor_data, placed[item.index]
             own = [p for p in s3_parts[place.file] if isinstance(p, RankPart) and p.rank == rank]
-            chunk = full[item.index.fqn][tuple(slice(o, o + n) for o, n in zip(td.chunk.offsets, td.chunk.sizes, strict=True))].contiguous().numpy().tobytes()
+            chunk = (
+                full[item.index.fqn][
+                    tuple(
+                        slice(o, o + n)
+                        for o, n in zip(td.chunk.offsets, td.chunk.sizes, strict=True)
+                    )
+                ]
+                .contiguous()
+                .numpy()
+                .tobytes()
+            )
             for t, c, n in chunk_runs(td.size, td.chunk.offsets, td.chunk.sizes, 1):
-                for at, take, part in route_run(place.tensor_start + t, n, [p.start for p in own], own):
+                for at, take, part in route_run(
+                    place.tensor_start + t, n, [p.start for p in own], own
+                ):
                     if part is None:
-                        staged.setdefault((place.file, rank), bytearray()).extend(chunk[c + at - place.tensor_start - t : c + at - place.tensor_start - t + take])
-    tasks = [t for ts in rank_tasks for t in pickle.loads(pickle.dumps(ts))]  # as the ranks receive them
-    gathers = {(f, p.number): p for f, parts in enumerate(s3_parts) for p in parts if isinstance(p, GatherPart)}
+                        staged.setdefault((place.file, rank), bytearray()).extend(
+                            chunk[
+                                c + at - place.tensor_start - t : c
+                                + at
+                                - place.tensor_start
+                                - t
+                                + take
+                            ]
+                        )
+    tasks = [
+        t for ts in rank_tasks for t in pickle.loads(pickle.dumps(ts))
+    ]  # as the ranks receive them
+    gathers = {
+        (f, p.number): p
+        for f, parts in enumerate(s3_parts)
+        for p in parts
+        if isinstance(p, GatherPart)
+    }
     assert sorted((t.file, t.number) for t in tasks) == sorted(gathers) and len(tasks) >= 2
     used = 0
     for task in tasks:
-        data = b"".join(s if isinstance(s, bytes) else bytes(staged[(task.file, s[0])][s[1] : s[1] + s[2]]) for s in task.sources())
+        data = b"".join(
+            s if isinstance(s, bytes) else bytes(staged[(task.file, s[0])][s[1] : s[1] + s[2]])
+            for s in task.sources()
+        )
         part = gathers[(task.file, task.number)]
-        assert data == bytes(files[task.file][part.start : part.end]), f"file {task.file} part {task.number}"
+        assert data == bytes(files[task.file][part.start : part.end]), (
+            f"file {task.file} part {task.number}"
+        )
         used += len(data) - len(task.head)
-        for rank, t, _, *dims in np.frombuffer(task.strided, dtype=np.int64).reshape(-1, 3 + 2 * task.width).tolist():
+        for rank, t, _, *dims in (
+            np.frombuffer(task.strided, dtype=np.int64).reshape(-1, 3 + 2 * task.width).tolist()
+        ):
             tensor_start, shape, itemsize = task.tensors[t]
-            at, _, run = chunk_runs_array(shape, dims[: len(shape)], dims[task.width : task.width + len(shape)], itemsize)
-            assert ((tensor_start + at < part.end) & (tensor_start + at + run > part.start)).any(), f"part {task.number} names a chunk of rank {rank} with no byte in it"
+            at, _, run = chunk_runs_array(
+                shape, dims[: len(shape)], dims[task.width : task.width + len(shape)], itemsize
+            )
+            assert (
+                (tensor_start + at < part.end) & (tensor_start + at + run > part.start)
+            ).any(), f"part {task.number} names a chunk of rank {rank} with no byte in it"
     assert used == sum(len(b) for b in staged.values())  # every staged byte is gathered once
     for f, parts in enumerate(s3_parts):  # numbered in file order, tiling the file
         assert [p.number for p in parts] == list(range(1, len(parts) + 1))
         edges = [(0 if isinstance(p, RankPart) and p.header else p.start, p.end) for p in parts]
-        assert edges[0][0] == 0 and edges[-1][1] == layout.files[f].size and all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+        assert (
+            edges[0][0] == 0
+            and edges[-1][1] == layout.files[f].size
+            and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
+        )
         assert all(p.nbytes >= 5 << 20 for p in parts[:-1])
     if make in (_fsdp_plans, _own_parts_then_columns_plans):
-        assert any(isinstance(p, RankPart) for ps in s3_parts for p in ps)  # big runs: the ranks' own
+        assert any(
+            isinstance(p, RankPart) for ps in s3_parts for p in ps
+        )  # big runs: the ranks' own
     if make is not _fsdp_plans:
         assert any(t.strided for t in tasks)  # column shards named whole, not row by row
 
@@ -257,10 +386,17 @@ def _full(name: str) -> torch.Tensor:
 def _sharded(mesh) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    return {n: distribute_tensor(_full(n), mesh, [Replicate() if n == "norm" else Shard(0)], src_data_rank=None) for n, _, _ in KEYS}
+    return {
+        n: distribute_tensor(
+            _full(n), mesh, [Replicate() if n == "norm" else Shard(0)], src_data_rank=None
+        )
+        for n, _, _ in KEYS
+    }
 
 
-def _save_spread(rank: int, world: int, url: str, options: dict | None, local_dir: str, out: str) -> None:
+def _save_spread(
+    rank: int, world: int, url: str, options: dict | None, local_dir: str, out: str
+) -> None:
     """Every rank: the same state dict saved to ``url`` (staged) and to local disk (direct); the
     coordinator reports who gathered what; then every rank loads its shards back from ``url``."""
     import torch.distributed as dist
@@ -268,14 +404,26 @@ def _save_spread(rank: int, world: int, url: str, options: dict | None, local_di
 
     mesh = init_device_mesh("cpu", (world,))
     sd = _sharded(mesh)
-    writer = HFStorageWriter(url, storage_options=options, max_shard_size="12MB", direct_write=False)
+    writer = HFStorageWriter(
+        url, storage_options=options, max_shard_size="12MB", direct_write=False
+    )
     dcp.save(sd, storage_writer=writer)
     dcp.save(sd, storage_writer=HFStorageWriter(local_dir, max_shard_size="12MB"))
     if rank == 0:
         stats = writer.merge_stats
         store = dist.distributed_c10d._get_default_store()
         left = store.check([f"hf_dcp_storage/arrival/{writer._save_id}/arrived"])
-        Path(out).write_text(json.dumps({"by_rank": stats.by_rank, "client": stats.client_bytes, "coordinator": stats.coordinator_bytes, "total": stats.total_bytes, "keys_left": left}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "by_rank": stats.by_rank,
+                    "client": stats.client_bytes,
+                    "coordinator": stats.coordinator_bytes,
+                    "total": stats.total_bytes,
+                    "keys_left": left,
+                }
+            )
+        )
     dest = _sharded(mesh)
     for v in dest.values():
         v.to_local().zero_()
@@ -295,7 +443,9 @@ def _check_spread(stats: dict, gathered_everything: bool) -> None:
 
 
 @pytest.mark.distributed
-def test_s3_parts_are_gathered_by_several_ranks_not_the_coordinator(s3, s3_endpoint, tmp_path) -> None:
+def test_s3_parts_are_gathered_by_several_ranks_not_the_coordinator(
+    s3, s3_endpoint, tmp_path
+) -> None:
     bucket, options = s3
     url = f"{bucket}/run/step_1"
     out = tmp_path / "stats.json"
@@ -306,14 +456,18 @@ def test_s3_parts_are_gathered_by_several_ranks_not_the_coordinator(s3, s3_endpo
     fs = s3fs.S3FileSystem(**options)
     on_s3 = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(url.removeprefix("s3://"))}
     on_disk = folder_bytes(tmp_path / "local")
-    assert sorted(on_s3) == sorted(on_disk) and len(on_disk) >= 3  # index + several files, no staging left
+    assert (
+        sorted(on_s3) == sorted(on_disk) and len(on_disk) >= 3
+    )  # index + several files, no staging left
     assert [n for n in on_disk if on_s3[n] != on_disk[n]] == []
 
 
 @pytest.mark.distributed
 def test_files_of_a_staged_save_are_merged_by_several_ranks(tmp_path) -> None:
     out = tmp_path / "stats.json"
-    run_ranks(_save_spread, 3, (tmp_path / "staged").as_uri(), None, str(tmp_path / "local"), str(out))
+    run_ranks(
+        _save_spread, 3, (tmp_path / "staged").as_uri(), None, str(tmp_path / "local"), str(out)
+    )
     _check_spread(json.loads(out.read_text()), gathered_everything=False)
     staged, direct = folder_bytes(tmp_path / "staged"), folder_bytes(tmp_path / "local")
     assert sorted(staged) == sorted(direct) and len(direct) >= 3
@@ -336,7 +490,11 @@ def _save_failing(rank: int, world: int, url: str, out: str) -> None:
 
     sd = _sharded(init_device_mesh("cpu", (world,)))
     try:
-        dcp.save(sd, storage_writer=HFStorageWriter(url, max_shard_size="12MB", direct_write=False), planner=_FailOnRank1())
+        dcp.save(
+            sd,
+            storage_writer=HFStorageWriter(url, max_shard_size="12MB", direct_write=False),
+            planner=_FailOnRank1(),
+        )
     except CheckpointException as exc:
         if rank == 0:
             Path(out).write_text(json.dumps({str(r): str(e) for r, (e, _) in exc.failures.items()}))

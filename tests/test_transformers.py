@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
+from tests.support.dist import run_ranks
 
 TIES = [False, True]
 TIE_IDS = ["untied", "tied"]
@@ -61,17 +61,22 @@ def _logits(model) -> torch.Tensor:  # type: ignore[no-untyped-def]
         return model(input_ids=ids).logits
 
 
-def _assert_state_dicts_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+def _assert_state_dicts_equal(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str
+) -> None:
     assert sorted(actual) == sorted(expected), f"{what}: keys differ"
     for key, value in expected.items():
-        assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), f"{what}: {key!r} differs"
+        assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), (
+            f"{what}: {key!r} differs"
+        )
 
 
-# -- rank function: 2 ranks save the model's state dict as Shard(0) DTensors ------------------------
+# -- rank function: 2 ranks save the model's state dict as Shard(0) DTensors -----------------------
 
 
 def _save_sharded_llama(rank: int, world: int, jobs: list[tuple[str, str, bool | None]]) -> None:
-    """For each ``(state_dict_file, out_folder, direct_write)``: shard over ``world`` ranks and save."""
+    """For each ``(state_dict_file, out_folder, direct_write)``: shard over ``world`` ranks and
+    save."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -85,17 +90,22 @@ def _save_sharded_llama(rank: int, world: int, jobs: list[tuple[str, str, bool |
             if ptr not in by_storage:  # tied weights stay one DTensor under both keys
                 by_storage[ptr] = distribute_tensor(tensor, mesh, [Shard(0)], src_data_rank=None)
             sharded[key] = by_storage[ptr]
-        dcp.save(sharded, storage_writer=HFStorageWriter(out, max_shard_size=MAX_SHARD, direct_write=direct_write))
+        dcp.save(
+            sharded,
+            storage_writer=HFStorageWriter(
+                out, max_shard_size=MAX_SHARD, direct_write=direct_write
+            ),
+        )
 
 
-# -- tests ------------------------------------------------------------------------------------------
+# -- tests -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.distributed
 def test_dcp_save_on_2_ranks_loads_with_from_pretrained(tmp_path: Path) -> None:
     models = {tie: _tiny_llama(tie) for tie in TIES}
     jobs = []
-    for tie, tag in zip(TIES, TIE_IDS):
+    for tie, tag in zip(TIES, TIE_IDS, strict=True):
         sd = models[tie].state_dict()
         if tie:
             assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
@@ -104,30 +114,38 @@ def test_dcp_save_on_2_ranks_loads_with_from_pretrained(tmp_path: Path) -> None:
         jobs.append((str(tmp_path / f"{tag}.pt"), str(tmp_path / tag), None if not tie else False))
     run_ranks(_save_sharded_llama, 2, jobs)
 
-    for tie, tag in zip(TIES, TIE_IDS):
+    for tie, tag in zip(TIES, TIE_IDS, strict=True):
         folder = tmp_path / tag
         original = models[tie]
         original.config.save_pretrained(folder)
         index = json.loads((folder / "model.safetensors.index.json").read_text())
         files = sorted(set(index["weight_map"].values()))
-        assert len(files) >= 3, f"{tag}: max_shard_size={MAX_SHARD} should give several files, got {files}"
+        assert len(files) >= 3, (
+            f"{tag}: max_shard_size={MAX_SHARD} should give several files, got {files}"
+        )
         assert sorted(index["weight_map"]) == sorted(original.state_dict())
 
         loaded, info = _load_pretrained(folder)
         assert not info["missing_keys"] and not info["mismatched_keys"], f"{tag}: {info}"
         _assert_state_dicts_equal(loaded.state_dict(), original.state_dict(), tag)
         expected, actual = _logits(original), _logits(loaded)
-        assert torch.equal(actual, expected), f"{tag}: logits differ by up to {(actual - expected).abs().max()}"
+        assert torch.equal(actual, expected), (
+            f"{tag}: logits differ by up to {(actual - expected).abs().max()}"
+        )
 
 
 @pytest.mark.parametrize("max_shard_size", [None, "20KB"], ids=["single_file", "sharded"])
 @pytest.mark.parametrize("tie", TIES, ids=TIE_IDS)
-def test_reader_loads_save_pretrained_folder(tmp_path: Path, tie: bool, max_shard_size: str | None) -> None:
+def test_reader_loads_save_pretrained_folder(
+    tmp_path: Path, tie: bool, max_shard_size: str | None
+) -> None:
     original = _tiny_llama(tie)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     original.save_pretrained(tmp_path, **kwargs)
     if max_shard_size is None:
-        assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "model.safetensors.index.json").exists()
+        assert (tmp_path / "model.safetensors").exists() and not (
+            tmp_path / "model.safetensors.index.json"
+        ).exists()
     else:
         assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) >= 3
 
@@ -150,4 +168,3 @@ def test_reader_loads_save_pretrained_folder(tmp_path: Path, tie: bool, max_shar
     other_sd = other.state_dict()
     dcp.load({key: other_sd[key] for key in expected}, storage_reader=HFStorageReader(tmp_path))
     assert torch.equal(_logits(other), _logits(original))
-

@@ -10,10 +10,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from _checks import raises_in_checkpoint
-from _data import assert_same, random_tensor
-from _dist import run_ranks
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
+from tests.support.checks import raises_in_checkpoint
+from tests.support.data import assert_same, random_tensor
+from tests.support.dist import run_ranks
 
 INDEX = "model.safetensors.index.json"
 
@@ -28,8 +28,13 @@ def _state_dict() -> dict[str, torch.Tensor]:
     }
 
 
-def _zeros(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    return {k: torch.zeros(v.shape, dtype=dtype if dtype and v.is_floating_point() else v.dtype) for k, v in sd.items()}
+def _zeros(
+    sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.zeros(v.shape, dtype=dtype if dtype and v.is_floating_point() else v.dtype)
+        for k, v in sd.items()
+    }
 
 
 def _flip_byte(folder: str, key: str, at: int) -> str:
@@ -55,7 +60,8 @@ def test_verified_load_equals_plain_load_for_every_kind_of_tensor(url: str) -> N
     dcp.load(out, storage_reader=HFStorageReader(url, verify=True, thread_count=2))
     for k, v in sd.items():
         assert_same(out[k], v, k)
-    # Into another dtype and a non-contiguous destination: the regions are filled from the same bytes.
+    # Into another dtype and a non-contiguous destination: the regions are filled from the same
+    # bytes.
     cast = _zeros(sd, torch.float64)
     cast["bf16"] = torch.zeros(7, 33, dtype=torch.float32).T
     dcp.load(cast, storage_reader=HFStorageReader(url, verify=True))
@@ -63,7 +69,9 @@ def test_verified_load_equals_plain_load_for_every_kind_of_tensor(url: str) -> N
     assert torch.equal(cast["bf16"], sd["bf16"].float())
 
 
-@pytest.mark.parametrize("key,at", [("big", 4096 * 4 * 1000 + 3), ("bf16", 0), ("scalar", 3), ("ints", 79)])
+@pytest.mark.parametrize(
+    "key,at", [("big", 4096 * 4 * 1000 + 3), ("bf16", 0), ("scalar", 3), ("ints", 79)]
+)
 def test_a_flipped_bit_is_reported_with_file_and_key(tmp_path, key: str, at: int) -> None:
     url = str(tmp_path / "ck")
     sd = _state_dict()
@@ -73,7 +81,11 @@ def test_a_flipped_bit_is_reported_with_file_and_key(tmp_path, key: str, at: int
     plain = _zeros(sd)
     dcp.load(plain, storage_reader=HFStorageReader(url))
     assert not torch.equal(plain[key], sd[key])
-    with raises_in_checkpoint(ValueError, rf"{name}: tensor '{key}' fails its checksum \(crc32 of the bytes read [0-9a-f]{{8}}, the index records [0-9a-f]{{8}}\); the file is corrupt"):
+    with raises_in_checkpoint(
+        ValueError,
+        rf"{name}: tensor '{key}' fails its checksum \(crc32 of the bytes read [0-9a-f]{{8}}, the "
+        rf"index records [0-9a-f]{{8}}\); the file is corrupt",
+    ):
         dcp.load(_zeros(sd), storage_reader=HFStorageReader(url, verify=True))
     # Loading only the intact keys still works.
     rest = {k: v for k, v in _zeros(sd).items() if k != key}
@@ -86,18 +98,35 @@ def test_verify_needs_recorded_checksums(tmp_path) -> None:
     folder = tmp_path / "st"
     folder.mkdir()
     save_file({"w": torch.ones(3)}, str(folder / "model.safetensors"))
-    with raises_in_checkpoint(AssertionError, r"verify=True, but the checkpoint records no checksums .*; load it with verify=False"):
+    with raises_in_checkpoint(
+        AssertionError,
+        r"verify=True, but the checkpoint records no checksums .*; load it with verify=False",
+    ):
         dcp.load({"w": torch.zeros(3)}, storage_reader=HFStorageReader(str(folder), verify=True))
-    dcp.load({"w": torch.zeros(3)}, storage_reader=HFStorageReader(str(folder)))  # fine without verify
+    dcp.load(
+        {"w": torch.zeros(3)}, storage_reader=HFStorageReader(str(folder))
+    )  # fine without verify
 
 
 @pytest.mark.parametrize(
     "edit,message",
     [
-        (lambda m: m.update(checksum_algorithm="sha1"), r"metadata.checksum_algorithm is 'sha1'; this version reads only 'crc32'"),
-        (lambda m: m["checksums"].update(a="xyz"), r"metadata.checksums must map tensor names to CRC32 values of 8 hex digits"),
-        (lambda m: m["checksums"].update(a="0000000g"), r"metadata.checksums must map tensor names to CRC32 values of 8 hex digits"),
-        (lambda m: m.update(checksums=[1]), r"metadata.checksums must map tensor names to CRC32 values of 8 hex digits"),
+        (
+            lambda m: m.update(checksum_algorithm="sha1"),
+            r"metadata.checksum_algorithm is 'sha1'; this version reads only 'crc32'",
+        ),
+        (
+            lambda m: m["checksums"].update(a="xyz"),
+            r"metadata.checksums must map tensor names to CRC32 values of 8 hex digits",
+        ),
+        (
+            lambda m: m["checksums"].update(a="0000000g"),
+            r"metadata.checksums must map tensor names to CRC32 values of 8 hex digits",
+        ),
+        (
+            lambda m: m.update(checksums=[1]),
+            r"metadata.checksums must map tensor names to CRC32 values of 8 hex digits",
+        ),
     ],
 )
 def test_malformed_checksums_are_refused(tmp_path, edit, message: str) -> None:
@@ -116,21 +145,32 @@ def _verified_resharded_load(rank: int, world: int, folder: str, corrupt: bool) 
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    full = {"w": random_tensor((64, 48), torch.float32, 5), "v": random_tensor((40,), torch.bfloat16, 6)}
+    full = {
+        "w": random_tensor((64, 48), torch.float32, 5),
+        "v": random_tensor((40,), torch.bfloat16, 6),
+    }
     if not corrupt:
-        sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
+        sd = {
+            k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()
+        }
         dcp.save(sd, storage_writer=HFStorageWriter(folder))
         return
     # Column shards (strided regions) on load, verified.
     dest = {"w": distribute_tensor(torch.zeros(64, 48), mesh, [Shard(1)], src_data_rank=None)}
     try:
         dcp.load(dest, storage_reader=HFStorageReader(folder, verify=True))
-    except BaseException as exc:  # CheckpointException is a BaseException
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         text = repr(exc)
-        assert "tensor 'w' fails its checksum" in text and "model-00001-of-00001.safetensors" in text, text
+        assert (
+            "tensor 'w' fails its checksum" in text and "model-00001-of-00001.safetensors" in text
+        ), text
     else:
         raise AssertionError(f"rank {rank}: corrupt 'w' loaded without error")
-    dest = {"v": distribute_tensor(torch.zeros(40, dtype=torch.bfloat16), mesh, [Shard(0)], src_data_rank=None)}
+    dest = {
+        "v": distribute_tensor(
+            torch.zeros(40, dtype=torch.bfloat16), mesh, [Shard(0)], src_data_rank=None
+        )
+    }
     dcp.load(dest, storage_reader=HFStorageReader(folder, verify=True))
     assert_same(dest["v"].to_local(), full["v"].chunk(world)[rank], "v")
 

@@ -38,11 +38,11 @@ except ImportError:  # a platform without zlib-ng's wheel: the same values, slow
 
 __all__ = [
     "CRC32_BACKEND",
+    "CrcAccumulator",
+    "combine_contributions",
+    "crc32_combine",
     "crc32_of",
     "crc32_shift",
-    "crc32_combine",
-    "combine_contributions",
-    "CrcAccumulator",
 ]
 
 # zlib's CRC-32 polynomial, bit-reflected: bit 31 of a CRC value is the coefficient of x^0.
@@ -65,7 +65,8 @@ def crc32_of(data: bytes | bytearray | memoryview, value: int = 0) -> int:
 
 
 def crc32_shift(crc: int, nbytes: int) -> int:
-    """``Z_nbytes(crc)``, i.e. ``crc32(A + bytes(nbytes)) ^ crc32(bytes(nbytes))`` when ``crc == crc32(A)``.
+    """``Z_nbytes(crc)``, i.e. ``crc32(A + bytes(nbytes)) ^ crc32(bytes(nbytes))`` when
+    ``crc == crc32(A)``.
 
     Any ``nbytes >= 0`` works, including beyond 4 GiB. Cost: one operator application (4 table
     lookups, ~0.5 us) per set bit of ``nbytes`` the first time a length is seen; a length seen
@@ -88,12 +89,14 @@ def crc32_shift(crc: int, nbytes: int) -> int:
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``crc32(A + B)`` from ``crc1 == crc32(A)``, ``crc2 == crc32(B)`` and ``len2 == len(B)``, as zlib's."""
+    """``crc32(A + B)`` from ``crc1 == crc32(A)``, ``crc2 == crc32(B)`` and ``len2 == len(B)``,
+    as zlib's."""
     return crc32_shift(crc1, len2) ^ crc2
 
 
 def combine_contributions(values: Iterable[int]) -> int:
-    """A tensor's CRC32 from every rank's :meth:`CrcAccumulator.contribution` (their XOR; 0 if none)."""
+    """A tensor's CRC32 from every rank's :meth:`CrcAccumulator.contribution` (their XOR; 0 if
+    none)."""
     out = 0
     for v in values:
         out ^= v
@@ -178,8 +181,8 @@ class CrcAccumulator:
         """
         if length < self._end:
             raise ValueError(
-                f"tensor length {length} is shorter than a byte run fed to it (ending at {self._end}); "
-                f"pass the whole tensor's byte length, not this writer's"
+                f"tensor length {length} is shorter than a byte run fed to it (ending at "
+                f"{self._end}); pass the whole tensor's byte length, not this writer's"
             )
         return crc32_shift(self._acc, length - self._end)
 
@@ -260,7 +263,8 @@ def _table_for(nbytes: int) -> list[int]:
 
 
 def _byte_tables(mult: int) -> list[int]:
-    """Flat 4x256 tables of "multiply by ``mult`` mod P": entry ``256*i + b`` maps byte ``i`` = ``b``."""
+    """Flat 4x256 tables of "multiply by ``mult`` mod P": entry ``256*i + b`` maps byte ``i`` =
+    ``b``."""
     # Column j is the image of the unit vector 1 << j, i.e. mult * x^(31 - j): walk down from j=31.
     cols = [0] * 32
     v = mult
@@ -280,5 +284,8 @@ def _byte_tables(mult: int) -> list[int]:
 def _apply(table: list[int], crc: int) -> int:
     """The operator of ``table`` applied to ``crc``: one lookup per byte of ``crc``."""
     return (
-        table[crc & 255] ^ table[256 | (crc >> 8 & 255)] ^ table[512 | (crc >> 16 & 255)] ^ table[768 | crc >> 24]
+        table[crc & 255]
+        ^ table[256 | (crc >> 8 & 255)]
+        ^ table[512 | (crc >> 16 & 255)]
+        ^ table[768 | crc >> 24]
     )

@@ -1,4 +1,5 @@
-"""CRC32C (Castagnoli) values as GCS reports them, and the CRC32C of a concatenation from its pieces'.
+"""CRC32C (Castagnoli) values as GCS reports them, and the CRC32C of a concatenation from its
+pieces'.
 
 GCS gives every object's CRC32C (the only checksum a composed object has), base64 of the value's
 4 big-endian bytes, in the metadata each upload and each compose returns. The CRC32C of the
@@ -15,7 +16,7 @@ import base64
 import functools
 from collections.abc import Iterable
 
-__all__ = ["crc32c_from_gcs", "crc32c_combine", "crc32c_of_pieces"]
+__all__ = ["crc32c_combine", "crc32c_from_gcs", "crc32c_of_pieces"]
 
 # The Castagnoli polynomial, bit-reflected (bit 31 is the coefficient of x^0).
 _POLY = 0x82F63B78

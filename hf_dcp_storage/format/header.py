@@ -22,13 +22,13 @@ from .strictjson import loads_strict
 
 __all__ = [
     "DTYPE_TO_NAME",
-    "NAME_TO_DTYPE",
     "MAX_HEADER_BYTES",
+    "NAME_TO_DTYPE",
     "HeaderError",
     "TensorEntry",
+    "decode_header",
     "dtype_name",
     "encode_header",
-    "decode_header",
 ]
 
 # Same cap as the safetensors reference implementation: a larger length prefix means a
@@ -102,7 +102,9 @@ def dtype_name(dtype: torch.dtype, *, key: str | None = None) -> str:
         ) from None
 
 
-def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str] | None = None, *, align: int = 8) -> bytes:
+def encode_header(
+    entries: Iterable[TensorEntry], metadata: Mapping[str, str] | None = None, *, align: int = 8
+) -> bytes:
     """Encode a complete header: length prefix, compact JSON, space padding to ``align`` bytes
     (a multiple of 8), so the data starts at a multiple of ``align``.
 
@@ -115,10 +117,16 @@ def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str] | 
             ``align`` not a positive multiple of 8.
     """
     if align <= 0 or align % 8:
-        raise ValueError(f"encode_header(align={align}): the data's alignment must be a positive multiple of 8 (safetensors aligns to 8)")
+        raise ValueError(
+            f"encode_header(align={align}): the data's alignment must be a positive multiple of 8 "
+            "(safetensors aligns to 8)"
+        )
     header: dict[str, object] = {}
     if metadata:
-        header["__metadata__"] = {_utf8(k, "metadata key"): _utf8(v, f"metadata value of {k!r}") for k, v in metadata.items()}
+        header["__metadata__"] = {
+            _utf8(k, "metadata key"): _utf8(v, f"metadata value of {k!r}")
+            for k, v in metadata.items()
+        }
     for e in entries:
         header[_utf8(e.name, "tensor name")] = {
             "dtype": dtype_name(e.dtype, key=e.name),
@@ -136,8 +144,8 @@ def _utf8(text: str, what: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(
-            f"{what} {text!r} holds a lone UTF-16 surrogate, which UTF-8 (the header's encoding) cannot "
-            f"encode; rename it to a valid Unicode string"
+            f"{what} {text!r} holds a lone UTF-16 surrogate, which UTF-8 (the header's encoding) "
+            "cannot encode; rename it to a valid Unicode string"
         ) from None
     return text
 
@@ -145,12 +153,20 @@ def _utf8(text: str, what: str) -> str:
 def header_length(prefix: bytes, *, file_size: int | None = None, where: str = "file") -> int:
     """Return N from the first 8 bytes of a safetensors file, after range checks."""
     if len(prefix) < 8:
-        raise HeaderError(f"{where}: truncated, {len(prefix)} bytes is shorter than the 8-byte header length")
+        raise HeaderError(
+            f"{where}: truncated, {len(prefix)} bytes is shorter than the 8-byte header length"
+        )
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > MAX_HEADER_BYTES:
-        raise HeaderError(f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap; the file is corrupt")
+        raise HeaderError(
+            f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap; the file is "
+            "corrupt"
+        )
     if file_size is not None and 8 + n > file_size:
-        raise HeaderError(f"{where}: header length {n} runs past the end of the {file_size}-byte file (truncated?)")
+        raise HeaderError(
+            f"{where}: header length {n} runs past the end of the {file_size}-byte file "
+            "(truncated?)"
+        )
     return n
 
 
@@ -175,7 +191,9 @@ def decode_header(
     """
     n = header_length(raw, file_size=file_size, where=where)
     if len(raw) < 8 + n:
-        raise HeaderError(f"{where}: truncated, header needs {8 + n} bytes but only {len(raw)} are present")
+        raise HeaderError(
+            f"{where}: truncated, header needs {8 + n} bytes but only {len(raw)} are present"
+        )
     parsed = _parse_json(raw[8 : 8 + n], where)
     if not isinstance(parsed, dict):
         raise HeaderError(f"{where}: header must be a JSON object, got {type(parsed).__name__}")
@@ -184,8 +202,12 @@ def decode_header(
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise HeaderError(f"{where}: __metadata__ must map strings to strings, got {str(metadata)[:80]}")
-    entries = sorted((_entry(name, spec, where) for name, spec in parsed.items()), key=lambda e: (e.begin, e.end))
+        raise HeaderError(
+            f"{where}: __metadata__ must map strings to strings, got {str(metadata)[:80]}"
+        )
+    entries = sorted(
+        (_entry(name, spec, where) for name, spec in parsed.items()), key=lambda e: (e.begin, e.end)
+    )
     _check_tiling(entries, file_size=file_size, data_start=8 + n, where=where)
     return entries, metadata, 8 + n
 
@@ -201,18 +223,27 @@ def _parse_json(body: bytes, where: str) -> object:
     """
     return loads_strict(
         body,
-        duplicate=lambda name: HeaderError(f"{where}: header names {name!r} twice in one object; the file is corrupt: restore it from a copy or re-save"),
-        invalid=lambda exc: HeaderError(f"{where}: header is not valid UTF-8 JSON ({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt"),
+        duplicate=lambda name: HeaderError(
+            f"{where}: header names {name!r} twice in one object; the file is corrupt: restore it "
+            "from a copy or re-save"
+        ),
+        invalid=lambda exc: HeaderError(
+            f"{where}: header is not valid UTF-8 JSON ({type(exc).__name__}: {str(exc)[:200]}); "
+            "the file is corrupt"
+        ),
     )
 
 
 def _entry(name: str, spec: object, where: str) -> TensorEntry:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
-        raise HeaderError(f"{where}: entry {name!r} must have exactly dtype, shape and data_offsets")
+        raise HeaderError(
+            f"{where}: entry {name!r} must have exactly dtype, shape and data_offsets"
+        )
     dtype = NAME_TO_DTYPE.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
     if dtype is None:
         raise HeaderError(
-            f"{where}: tensor {name!r} has unsupported dtype {spec['dtype']!r}; known: {', '.join(NAME_TO_DTYPE)}"
+            f"{where}: tensor {name!r} has unsupported dtype {spec['dtype']!r}; known: "
+            f"{', '.join(NAME_TO_DTYPE)}"
         )
     shape, offsets = spec["shape"], spec["data_offsets"]
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
@@ -227,21 +258,28 @@ def _entry(name: str, spec: object, where: str) -> TensorEntry:
     expected = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != expected:
         raise HeaderError(
-            f"{where}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but dtype {spec['dtype']} "
-            f"and shape {shape} need {expected}"
+            f"{where}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but dtype "
+            f"{spec['dtype']} and shape {shape} need {expected}"
         )
     return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
 
 
-def _check_tiling(entries: list[TensorEntry], *, file_size: int | None, data_start: int, where: str) -> None:
+def _check_tiling(
+    entries: list[TensorEntry], *, file_size: int | None, data_start: int, where: str
+) -> None:
     """Sorted entries must tile ``[0, end)`` exactly and end inside the file."""
     pos = 0
     for e in entries:
         if e.begin != pos:
-            kind = "overlaps the previous tensor" if e.begin < pos else f"leaves a hole at byte {pos}"
-            raise HeaderError(f"{where}: tensor {e.name!r} at data_offsets [{e.begin}, {e.end}] {kind}")
+            kind = (
+                "overlaps the previous tensor" if e.begin < pos else f"leaves a hole at byte {pos}"
+            )
+            raise HeaderError(
+                f"{where}: tensor {e.name!r} at data_offsets [{e.begin}, {e.end}] {kind}"
+            )
         pos = e.end
     if file_size is not None and data_start + pos > file_size:
         raise HeaderError(
-            f"{where}: tensor data ends at byte {data_start + pos} but the file has {file_size} bytes (truncated)"
+            f"{where}: tensor data ends at byte {data_start + pos} but the file has {file_size} "
+            "bytes (truncated)"
         )

@@ -1,4 +1,5 @@
-"""The Hugging Face index (``model.safetensors.index.json``) and file names: encode, decode, validate.
+"""The Hugging Face index (``model.safetensors.index.json``) and file names: encode, decode,
+validate.
 
 Pure: no filesystem (``io/files.py`` reads indexes and headers from a store). Shared by
 ``HFStorageReader`` (which stops at the first defect and raises it), and by ``inspect`` and
@@ -25,26 +26,26 @@ from .header import TensorEntry, decode_header
 from .strictjson import loads_strict
 
 __all__ = [
-    "INDEX_NAME",
-    "SINGLE_FILE_NAME",
-    "SHARD_NAME_RE",
-    "FORMAT_METADATA",
-    "CHECKSUM_ALGORITHM_KEY",
-    "CHECKSUM_ALGORITHM",
     "CHECKSUMS_KEY",
+    "CHECKSUM_ALGORITHM",
+    "CHECKSUM_ALGORITHM_KEY",
+    "FORMAT_METADATA",
     "HEADERS_KEY",
-    "shard_name",
-    "Index",
+    "INDEX_NAME",
+    "SHARD_NAME_RE",
+    "SINGLE_FILE_NAME",
     "FileHeader",
-    "decode_index_json",
-    "weight_map_of",
-    "file_name_problem",
+    "Index",
     "checksum_table",
+    "decode_index_json",
+    "file_name_problem",
+    "index_json",
+    "json_bytes",
     "parse_checksums",
     "parse_index",
     "recorded_headers",
-    "index_json",
-    "json_bytes",
+    "shard_name",
+    "weight_map_of",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -56,7 +57,8 @@ FORMAT_METADATA = {"format": "pt"}
 CHECKSUM_ALGORITHM_KEY = "checksum_algorithm"
 CHECKSUM_ALGORITHM = "crc32"
 CHECKSUMS_KEY = "checksums"
-# The index's copy of every file's header (its size and header JSON), so that a loader reads one object, not every file.
+# The index's copy of every file's header (its size and header JSON), so that a loader reads
+# one object, not every file.
 HEADERS_KEY = "headers"
 
 
@@ -119,9 +121,12 @@ def decode_index_json(raw: bytes, where: str) -> Any:
         raw,
         duplicate=lambda name: ValueError(
             f"{where}: names {name!r} twice in one object, so which value holds is ambiguous; "
-            f"keep one of them (an index written by a save never repeats a name)"
+            "keep one of them (an index written by a save never repeats a name)"
         ),
-        invalid=lambda exc: ValueError(f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); restore the index from a copy or re-save"),
+        invalid=lambda exc: ValueError(
+            f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); restore the index "
+            "from a copy or re-save"
+        ),
     )
 
 
@@ -132,8 +137,10 @@ def weight_map_of(index: Any, where: str) -> dict[str, str]:
         ValueError: no such object, or one of another shape.
     """
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise ValueError(f"{where}: needs a \"weight_map\" object mapping tensor names to file names")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ValueError(f'{where}: needs a "weight_map" object mapping tensor names to file names')
     return weight_map
 
 
@@ -155,8 +162,9 @@ def file_name_problem(file: str, where: str) -> str | None:
         or any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in file)
     ):
         return (
-            f"{where}: weight_map names file {file!r}, which is not a plain relative path inside the "
-            f"checkpoint folder; only names like 'model-00001-of-00002.safetensors' are accepted"
+            f"{where}: weight_map names file {file!r}, which is not a plain relative path inside "
+            "the checkpoint folder; only names like 'model-00001-of-00002.safetensors' are "
+            "accepted"
         )
     return None
 
@@ -175,7 +183,10 @@ def checksum_table(metadata: Any, where: str) -> tuple[dict[str, int] | None, di
         return None, {}
     algorithm, table = metadata.get(CHECKSUM_ALGORITHM_KEY), metadata[CHECKSUMS_KEY]
     if algorithm != CHECKSUM_ALGORITHM:
-        raise ValueError(f"{where}: metadata.{CHECKSUM_ALGORITHM_KEY} is {algorithm!r}; this version reads only {CHECKSUM_ALGORITHM!r}")
+        raise ValueError(
+            f"{where}: metadata.{CHECKSUM_ALGORITHM_KEY} is {algorithm!r}; this version reads "
+            f"only {CHECKSUM_ALGORITHM!r}"
+        )
     if not isinstance(table, dict):
         raise ValueError(_TABLE_SHAPE.format(where=where))
     out: dict[str, int] = {}
@@ -193,7 +204,9 @@ def checksum_table(metadata: Any, where: str) -> tuple[dict[str, int] | None, di
 _CRC32_HEX = re.compile(r"[0-9a-fA-F]{8}")
 
 
-_TABLE_SHAPE = "{where}: metadata." + CHECKSUMS_KEY + " must map tensor names to CRC32 values of 8 hex digits"
+_TABLE_SHAPE = (
+    "{where}: metadata." + CHECKSUMS_KEY + " must map tensor names to CRC32 values of 8 hex digits"
+)
 
 
 def parse_checksums(metadata: Any, where: str) -> dict[str, int] | None:
@@ -208,7 +221,9 @@ def parse_checksums(metadata: Any, where: str) -> dict[str, int] | None:
     return checksums
 
 
-def recorded_headers(metadata: Any, files: Iterable[str], where: str) -> dict[str, FileHeader] | None:
+def recorded_headers(
+    metadata: Any, files: Iterable[str], where: str
+) -> dict[str, FileHeader] | None:
     """The headers the index records of ``files`` (``metadata.headers``: per file its size and
     header JSON, as ``HFStorageWriter`` writes them), decoded and checked exactly as if read from
     the files; ``None`` when the index records none (a checkpoint saved by other tools). A file
@@ -224,7 +239,9 @@ def recorded_headers(metadata: Any, files: Iterable[str], where: str) -> dict[st
     if not isinstance(metadata, dict) or HEADERS_KEY not in metadata:
         return None
     table = metadata[HEADERS_KEY]
-    rule = f'metadata.{HEADERS_KEY} must map files to {{"size": its bytes, "header": its header JSON}}'
+    rule = (
+        f'metadata.{HEADERS_KEY} must map files to {{"size": its bytes, "header": its header JSON}}'
+    )
     if not isinstance(table, dict):
         raise ValueError(f"{where}: {rule}; it is a {type(table).__name__}")
     out = {}
@@ -235,18 +252,29 @@ def recorded_headers(metadata: Any, files: Iterable[str], where: str) -> dict[st
         size = entry.get("size") if isinstance(entry, dict) else None
         text = entry.get("header") if isinstance(entry, dict) else None
         if not isinstance(size, int) or isinstance(size, bool) or not isinstance(text, str):
-            raise ValueError(f"{where}: {rule}; the entry of {file!r} is {str(entry)[:80]}. Re-save, or drop metadata.{HEADERS_KEY} to read the files' headers")
+            raise ValueError(
+                f"{where}: {rule}; the entry of {file!r} is {str(entry)[:80]}. Re-save, or drop "
+                f"metadata.{HEADERS_KEY} to read the files' headers"
+            )
         try:
             body = text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON) has no UTF-8 form
-            raise ValueError(f"{where}: {rule}; the header of {file!r} holds a lone UTF-16 surrogate, which no header can. Re-save, or drop metadata.{HEADERS_KEY} to read the files' headers") from None
-        entries, meta, data_start = decode_header(struct.pack("<Q", len(body)) + body, file_size=size, where=f"{where}: metadata.{HEADERS_KEY}[{file!r}]")
+            raise ValueError(
+                f"{where}: {rule}; the header of {file!r} holds a lone UTF-16 surrogate, which no "
+                f"header can. Re-save, or drop metadata.{HEADERS_KEY} to read the files' headers"
+            ) from None
+        entries, meta, data_start = decode_header(
+            struct.pack("<Q", len(body)) + body,
+            file_size=size,
+            where=f"{where}: metadata.{HEADERS_KEY}[{file!r}]",
+        )
         out[file] = FileHeader(entries, meta, data_start, size)
     return out
 
 
 def parse_index(raw: bytes, where: str) -> Index:
-    """Validate an HF index json: JSON, the weight_map's shape, plain file names, the checksum table.
+    """Validate an HF index json: JSON, the weight_map's shape, plain file names, the checksum
+    table.
 
     Raises:
         ValueError: the first defect found, naming ``where`` and the rule.
@@ -258,11 +286,16 @@ def parse_index(raw: bytes, where: str) -> Index:
         if problem is not None:
             raise ValueError(problem)
     metadata = index.get("metadata")
-    return Index(weight_map, parse_checksums(metadata, where), metadata if isinstance(metadata, dict) else {})
+    return Index(
+        weight_map, parse_checksums(metadata, where), metadata if isinstance(metadata, dict) else {}
+    )
 
 
 def index_json(
-    total_size: int, weight_map: Mapping[str, str], files: Sequence[tuple[str, int, bytes]], checksums: Mapping[str, int]
+    total_size: int,
+    weight_map: Mapping[str, str],
+    files: Sequence[tuple[str, int, bytes]],
+    checksums: Mapping[str, int],
 ) -> dict[str, Any]:
     """The index a save commits: the ``weight_map``, and in its metadata the data's size, each
     tensor's CRC32 and each file's size and header (``files``: ``(name, size, encoded header)``),
@@ -273,7 +306,10 @@ def index_json(
             "total_size": total_size,
             CHECKSUM_ALGORITHM_KEY: CHECKSUM_ALGORITHM,
             CHECKSUMS_KEY: {key: f"{checksums[key]:08x}" for key in sorted(checksums)},
-            HEADERS_KEY: {name: {"size": size, "header": header[8:].decode("utf-8")} for name, size, header in files},
+            HEADERS_KEY: {
+                name: {"size": size, "header": header[8:].decode("utf-8")}
+                for name, size, header in files
+            },
         },
         "weight_map": dict(sorted(weight_map.items())),
     }

@@ -16,7 +16,12 @@ class _Duplicate(Exception):
         self.name = name
 
 
-def loads_strict(raw: bytes | str, *, duplicate: Callable[[str], BaseException], invalid: Callable[[Exception], BaseException]) -> Any:
+def loads_strict(
+    raw: bytes | str,
+    *,
+    duplicate: Callable[[str], BaseException],
+    invalid: Callable[[Exception], BaseException],
+) -> Any:
     """``json.loads(raw)`` with every object's names unique.
 
     Raises:
@@ -39,5 +44,8 @@ def loads_strict(raw: bytes | str, *, duplicate: Callable[[str], BaseException],
         return json.loads(raw, object_pairs_hook=unique)
     except _Duplicate as d:
         raise duplicate(d.name) from None
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise invalid(exc) from None

@@ -7,5 +7,6 @@ or ``'hf_dcp_storage[lightning]'``).
 * ``integrations.lightning``: ``HFModelParallelStrategy``, Lightning's ``ModelParallelStrategy``
   (FSDP2/TP) saving and loading our checkpoint folders at any fsspec URL.
 
-They build on the public API, ``steps/``, the writer and the reader only (``tests/test_architecture.py``).
+They build on the public API, ``steps/``, the writer and the reader only
+(``tests/test_architecture.py``).
 """

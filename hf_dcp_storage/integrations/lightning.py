@@ -1,11 +1,15 @@
-"""Lightning: ``HFModelParallelStrategy``, its ``ModelParallelStrategy`` saving our checkpoint folders.
+"""Lightning: ``HFModelParallelStrategy``, its ``ModelParallelStrategy`` saving our checkpoint
+folders.
 
     from hf_dcp_storage.integrations.lightning import HFModelParallelStrategy
 
-    trainer = L.Trainer(
-        strategy=HFModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1, storage_options=opts),
-        callbacks=[ModelCheckpoint(dirpath="s3://bucket/run1", monitor="val_loss", save_top_k=3, save_last=True)],
+    strategy = HFModelParallelStrategy(
+        data_parallel_size=8, tensor_parallel_size=1, storage_options=opts
     )
+    checkpoints = ModelCheckpoint(
+        dirpath="s3://bucket/run1", monitor="val_loss", save_top_k=3, save_last=True
+    )
+    trainer = L.Trainer(strategy=strategy, callbacks=[checkpoints])
     trainer.fit(model, ckpt_path="s3://bucket/run1/last.ckpt")   # or None for a fresh start
 
 Each checkpoint Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) is a folder of
@@ -53,14 +57,15 @@ try:
     from lightning.pytorch.strategies import ModelParallelStrategy
 except ImportError as exc:  # pragma: no cover - exercised where Lightning is absent
     raise ImportError(
-        f"hf_dcp_storage.integrations.lightning needs Lightning ({exc}); install it with pip install 'hf_dcp_storage[lightning]' (lightning 2.6.6)"
+        f"hf_dcp_storage.integrations.lightning needs Lightning ({exc}); install it with pip "
+        "install 'hf_dcp_storage[lightning]' (lightning 2.6.6)"
     ) from exc
 
 from ..steps import folder as ckpt_folder
 from ..steps import named
 from ..steps.control import Control
 
-__all__ = ["HFModelParallelStrategy", "LIGHTNING_STATE"]
+__all__ = ["LIGHTNING_STATE", "HFModelParallelStrategy"]
 
 # The training-state entry holding Lightning's own checkpoint entries (all but the weights and
 # the optimizer states, which are ``optimizer_0``, ``optimizer_1``, ...).
@@ -99,7 +104,9 @@ class HFModelParallelStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         if storage_options is not None and not isinstance(storage_options, dict):
-            raise ValueError(f"storage_options={storage_options!r} must be None or a dict of fsspec options")
+            raise ValueError(
+                f"storage_options={storage_options!r} must be None or a dict of fsspec options"
+            )
         self.storage_options = storage_options
         self.max_shard_size = max_shard_size
         self._control = Control()
@@ -114,11 +121,19 @@ class HFModelParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer``'s sharded state dict, keyed by parameter names, on every rank."""
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
+        return get_optimizer_state_dict(
+            self.model,
+            optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
+        )
 
     # -- save, load, remove ---------------------------------------------------------------------
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: str | os.PathLike[str],
+        storage_options: Any | None = None,
+    ) -> None:
         """(all ranks) Save Lightning's ``checkpoint`` as a checkpoint folder at ``filepath``,
         replacing one already there.
 
@@ -128,12 +143,14 @@ class HFModelParallelStrategy(ModelParallelStrategy):
         """
         if storage_options is not None:
             raise TypeError(
-                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: pass them once, as "
-                f"{type(self).__name__}(storage_options=...)"
+                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not "
+                f"supported: pass them once, as {type(self).__name__}(storage_options=...)"
             )
         fs, folder = ckpt_folder.locate(self.broadcast(os.fspath(filepath)), self.storage_options)
         weights = checkpoint.pop("state_dict")
-        state: dict[str, Any] = {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
+        state: dict[str, Any] = {
+            f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))
+        }
         # Lightning keeps rank 0's entries (loops, callbacks, schedulers): so does this.
         state[LIGHTNING_STATE] = self.broadcast(checkpoint)
         step = int(checkpoint.get("global_step", 0))
@@ -141,13 +158,16 @@ class HFModelParallelStrategy(ModelParallelStrategy):
             tensors, payload = ckpt_folder.prepare(self._control, step, state)
         except TypeError as exc:
             raise TypeError(
-                f"{exc}. {type(self).__name__} saves Lightning's checkpoint entries as tensors and JSON: make that entry one "
-                f"of them (e.g. save_hyperparameters of plain values), or drop it in LightningModule.on_save_checkpoint"
+                f"{exc}. {type(self).__name__} saves Lightning's checkpoint entries as tensors "
+                "and JSON: make that entry one of them (e.g. save_hyperparameters of plain "
+                "values), or drop it in LightningModule.on_save_checkpoint"
             ) from None
         options = {"storage_options": self.storage_options, "max_shard_size": self.max_shard_size}
         named.save(self._control, fs, folder, step, weights, tensors, payload, options)
 
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """(all ranks) Load a checkpoint folder into the model and the optimizers (resharded onto
         the current layout) and this rank's RNG states; returns Lightning's other entries.
 
@@ -156,19 +176,28 @@ class HFModelParallelStrategy(ModelParallelStrategy):
         """
         url = self.broadcast(os.fspath(checkpoint_path))
         fs, name = ckpt_folder.locate(url, self.storage_options)
-        folder = self._control.broadcast(named.resolve(fs, name) if self._control.rank == 0 else None)
+        folder = self._control.broadcast(
+            named.resolve(fs, name) if self._control.rank == 0 else None
+        )
         if folder is None:
             raise FileNotFoundError(
-                f"{url} is not a complete checkpoint of {type(self).__name__} (no COMMITTED marker, and no CURRENT naming a "
-                f"complete version): give the path of one it saved"
+                f"{url} is not a complete checkpoint of {type(self).__name__} (no COMMITTED "
+                "marker, and no CURRENT naming a complete version): give the path of one it saved"
             )
         assert self.model is not None and self.lightning_module is not None
         weights = get_model_state_dict(self.model)
-        state: dict[str, Any] = {f"optimizer_{i}": _OptimizerState(self.model, opt) for i, opt in enumerate(self.optimizers)}
+        state: dict[str, Any] = {
+            f"optimizer_{i}": _OptimizerState(self.model, opt)
+            for i, opt in enumerate(self.optimizers)
+        }
         state[LIGHTNING_STATE] = None
         reader_io = {"storage_options": self.storage_options}
         ckpt_folder.load(fs, folder, weights, state, rank=self._control.rank, reader_io=reader_io)
-        set_model_state_dict(self.model, weights, options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        set_model_state_dict(
+            self.model,
+            weights,
+            options=StateDictOptions(strict=self.lightning_module.strict_loading),
+        )
         self._control.barrier()
         return state[LIGHTNING_STATE]
 

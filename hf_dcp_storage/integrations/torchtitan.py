@@ -45,7 +45,7 @@ import posixpath
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,8 +56,9 @@ try:
     from torchtitan.components.checkpointer import CheckpointManager as _TitanCheckpointManager
 except ImportError as exc:  # pragma: no cover - exercised where torchtitan is absent
     raise ImportError(
-        f"hf_dcp_storage.integrations.torchtitan needs torchtitan ({exc}); install it with "
-        f"pip install 'hf_dcp_storage[torchtitan]' (torchtitan 0.3.0, whose model code also imports triton)"
+        f"hf_dcp_storage.integrations.torchtitan needs torchtitan ({exc}); install it with pip "
+        "install 'hf_dcp_storage[torchtitan]' (torchtitan 0.3.0, whose model code also imports "
+        "triton)"
     ) from exc
 
 from ..reader import HFStorageReader
@@ -82,6 +83,15 @@ class HFCheckpointManager(_TitanCheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(_TitanCheckpointManager.Config):
+        if TYPE_CHECKING:
+            # torchtitan's own fields that this class sets or replaces (torchtitan ships no type
+            # hints, so the checker would know none of its Config's fields).
+            last_save_in_hf: bool
+            initial_load_in_hf: bool
+            initial_load_in_hf_quantized: bool
+            async_mode: Literal["disabled", "async", "async_with_pinned_mem"]
+            keep_latest_k: int
+
         storage_options: dict[str, Any] | None = None
         """Passed to fsspec for ``folder`` and ``initial_load_path`` (credentials, endpoint...)."""
 
@@ -93,26 +103,48 @@ class HFCheckpointManager(_TitanCheckpointManager):
             # its own HF writer and reader are local-only; ours are not. Its other rules still
             # hold: hide the two flags (and the quantized one, which depends on them) from its
             # checks, then check the rules they take part in here.
-            flags = (self.last_save_in_hf, self.initial_load_in_hf, self.initial_load_in_hf_quantized)
-            self.last_save_in_hf = self.initial_load_in_hf = self.initial_load_in_hf_quantized = False
+            flags = (
+                self.last_save_in_hf,
+                self.initial_load_in_hf,
+                self.initial_load_in_hf_quantized,
+            )
+            self.last_save_in_hf = self.initial_load_in_hf = self.initial_load_in_hf_quantized = (
+                False
+            )
             try:
                 _TitanCheckpointManager.Config.__post_init__(self)
             finally:
-                self.last_save_in_hf, self.initial_load_in_hf, self.initial_load_in_hf_quantized = flags
+                self.last_save_in_hf, self.initial_load_in_hf, self.initial_load_in_hf_quantized = (
+                    flags
+                )
             if self.last_save_in_hf and not self.last_save_model_only:
-                raise ValueError("last_save_in_hf=True requires last_save_model_only=True: an HF export holds the weights only")
+                raise ValueError(
+                    "last_save_in_hf=True requires last_save_model_only=True: an HF export holds "
+                    "the weights only"
+                )
             if self.initial_load_in_hf and not self.initial_load_model_only:
-                raise ValueError("initial_load_in_hf=True requires initial_load_model_only=True: an HF folder holds the weights only")
+                raise ValueError(
+                    "initial_load_in_hf=True requires initial_load_model_only=True: an HF folder "
+                    "holds the weights only"
+                )
             if self.initial_load_in_hf_quantized:
                 if not (self.initial_load_in_hf and self.initial_load_path):
-                    raise ValueError("initial_load_in_hf_quantized=True requires initial_load_in_hf=True and an initial_load_path")
+                    raise ValueError(
+                        "initial_load_in_hf_quantized=True requires initial_load_in_hf=True and "
+                        "an initial_load_path"
+                    )
                 if "://" in self.initial_load_path:
                     raise ValueError(
-                        f"initial_load_in_hf_quantized=True reads through the model's own state-dict adapter, which torchtitan "
-                        f"implements for local folders only; initial_load_path={self.initial_load_path!r} is remote: copy it to local disk"
+                        "initial_load_in_hf_quantized=True reads through the model's own "
+                        "state-dict adapter, which torchtitan implements for local folders only; "
+                        f"initial_load_path={self.initial_load_path!r} is remote: copy it to "
+                        "local disk"
                     )
             if self.storage_options is not None and not isinstance(self.storage_options, dict):
-                raise ValueError(f"storage_options={self.storage_options!r} must be None or a dict of fsspec options")
+                raise ValueError(
+                    f"storage_options={self.storage_options!r} must be None or a dict of fsspec "
+                    "options"
+                )
 
     def __init__(
         self,
@@ -172,8 +204,15 @@ class HFCheckpointManager(_TitanCheckpointManager):
         elif self.async_mode == AsyncMode.DISABLED:
             self.steps.save(curr_step, self._weights_to_save(), self._training_states())
         else:
-            self.save_future = self.steps.save(curr_step, self._weights_to_save(), self._training_states(), async_save=True)
-        logger.info("step %d: checkpoint %s in %.2f s", curr_step, "saved" if self.save_future is None else "staged", time.monotonic() - begin)
+            self.save_future = self.steps.save(
+                curr_step, self._weights_to_save(), self._training_states(), async_save=True
+            )
+        logger.info(
+            "step %d: checkpoint %s in %.2f s",
+            curr_step,
+            "saved" if self.save_future is None else "staged",
+            time.monotonic() - begin,
+        )
         return True
 
     def _save_last_step(self, curr_step: int) -> None:
@@ -184,7 +223,9 @@ class HFCheckpointManager(_TitanCheckpointManager):
             return
         dtype = self.export_dtype
         weights = {
-            k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype else v
+            k: v.to(dtype)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype
+            else v
             for k, v in self.states[MODEL].state_dict().items()
         }
         self.steps.save(curr_step, self._to_hf(weights))
@@ -211,38 +252,55 @@ class HFCheckpointManager(_TitanCheckpointManager):
         """
         steps = self.steps.all_checkpoints()
         if step != -1 and step not in steps:
-            raise FileNotFoundError(f"checkpoint.load_step={step}: {self.steps.url} has no complete step {step}; complete steps: {steps}")
+            raise FileNotFoundError(
+                f"checkpoint.load_step={step}: {self.steps.url} has no complete step {step}; "
+                f"complete steps: {steps}"
+            )
         if step == -1 and not steps:
             return self._initial_load()
         step = step if step != -1 else steps[-1]
         begin = time.monotonic()
         hf = self._to_hf(self.states[MODEL].state_dict())
-        training = None if step == 0 else self._states_to_restore()  # step 0: a seed checkpoint, the model only
+        training = (
+            None if step == 0 else self._states_to_restore()
+        )  # step 0: a seed checkpoint, the model only
         try:
             self.steps.load(hf, training, step=step)
         except KeyError as exc:
             raise KeyError(
-                f"{exc.args[0]}; step {step} of {self.steps.url} does not hold the training state (a last step saved with "
-                f"last_save_model_only=True holds the weights only): resume from an earlier step (checkpoint.load_step) or "
-                f"load its weights alone (initial_load_path=... with initial_load_in_hf=True, in an empty folder)"
+                f"{exc.args[0]}; step {step} of {self.steps.url} does not hold the training state "
+                "(a last step saved with last_save_model_only=True holds the weights only): "
+                "resume from an earlier step (checkpoint.load_step) or load its weights alone "
+                "(initial_load_path=... with initial_load_in_hf=True, in an empty folder)"
             ) from None
         self._restore_model(hf)
         for key, value in (training or {}).items():
             if not isinstance(self.states[key], Stateful):
                 self.states[key] = value  # a plain value: the loaded one replaces it
-        logger.info("loaded step %d from %s in %.2f s", step, self.steps.url, time.monotonic() - begin)
+        logger.info(
+            "loaded step %d from %s in %.2f s", step, self.steps.url, time.monotonic() - begin
+        )
         return True
 
     def _states_to_restore(self) -> dict[str, Any]:
         unknown = [k for k in self.exclude_from_loading if k not in self.states]
         if unknown:
-            raise ValueError(f"checkpoint.exclude_from_loading={self.exclude_from_loading}: {unknown} not among the checkpointed states {sorted(self.states)}")
-        return {k: v for k, v in self.states.items() if k != MODEL and k not in self.exclude_from_loading}
+            raise ValueError(
+                f"checkpoint.exclude_from_loading={self.exclude_from_loading}: {unknown} not "
+                f"among the checkpointed states {sorted(self.states)}"
+            )
+        return {
+            k: v
+            for k, v in self.states.items()
+            if k != MODEL and k not in self.exclude_from_loading
+        }
 
     def _restore_model(self, hf: dict[str, Any]) -> None:
         """Hand loaded (HF-keyed) weights to the model: through the adapter's ``from_hf``, then
         the model wrapper's ``load_state_dict`` (which also refills fused parameters)."""
-        self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf) if self.sd_adapter is not None else hf)
+        self.states[MODEL].load_state_dict(
+            self.sd_adapter.from_hf(hf) if self.sd_adapter is not None else hf
+        )
 
     def _initial_load(self) -> bool:
         """The load of a fresh run (no step in ``folder``): an HF folder's weights, or a
@@ -251,19 +309,34 @@ class HFCheckpointManager(_TitanCheckpointManager):
         if self.initial_load_in_hf and path is None:
             path = getattr(self.sd_adapter, "hf_assets_path", None)
             if not path:
-                raise ValueError("initial_load_in_hf=True needs initial_load_path, or a state-dict adapter with hf_assets_path (model.hf_assets_path)")
+                raise ValueError(
+                    "initial_load_in_hf=True needs initial_load_path, or a state-dict adapter "
+                    "with hf_assets_path (model.hf_assets_path)"
+                )
         if path is None:
-            logger.info("no checkpoint in %s and no initial_load_path: a fresh start", self.steps.url)
+            logger.info(
+                "no checkpoint in %s and no initial_load_path: a fresh start", self.steps.url
+            )
             return False
         if self.initial_load_in_hf_quantized:
-            self.dcp_load(self.states[MODEL].state_dict(), checkpoint_id=path, from_hf=True, from_quantized=True)
+            self.dcp_load(
+                self.states[MODEL].state_dict(),
+                checkpoint_id=path,
+                from_hf=True,
+                from_quantized=True,
+            )
         elif self.initial_load_in_hf:
             hf = self._to_hf(self.states[MODEL].state_dict())
             dcp.load(hf, storage_reader=HFStorageReader(path, storage_options=self.storage_options))
             self._restore_model(hf)
         else:
             # torchtitan's own DCP format (a .metadata file): its own loader.
-            self.dcp_load(self._states_to_load(self.initial_load_model_only), checkpoint_id=path, from_hf=False, from_quantized=False)
+            self.dcp_load(
+                self._states_to_load(self.initial_load_model_only),
+                checkpoint_id=path,
+                from_hf=False,
+                from_quantized=False,
+            )
         logger.info("initial load from %s", path)
         return True
 
@@ -290,10 +363,13 @@ class HFCheckpointManager(_TitanCheckpointManager):
     def _find_load_step(self, folder: str = "") -> int:
         """(all ranks) The newest complete step of ``folder`` (only this manager's), or -1."""
         if folder and folder != self.folder:
-            raise ValueError(f"HFCheckpointManager lists its own folder {self.folder!r} only, not {folder!r}")
+            raise ValueError(
+                f"HFCheckpointManager lists its own folder {self.folder!r} only, not {folder!r}"
+            )
         latest = self.steps.latest()
         return -1 if latest is None else latest
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
-        """Where step ``step`` lives: ``folder/step_N`` (our step names, not torchtitan's ``step-N``)."""
+        """Where step ``step`` lives: ``folder/step_N`` (our step names, not torchtitan's
+        ``step-N``)."""
         return posixpath.join(folder or self.folder, step_name(step))

@@ -18,6 +18,7 @@ starts with an empty pool of its own (the parent's buffers are the parent's).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -29,7 +30,7 @@ import torch
 
 from .slabs import SLAB_BYTES
 
-__all__ = ["KEEP_BUFFERS", "BUFFER_BYTES", "AlignedPool", "POOL"]
+__all__ = ["BUFFER_BYTES", "KEEP_BUFFERS", "POOL", "AlignedPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ class AlignedPool:
 
     def __init__(self, nbytes: int = BUFFER_BYTES, keep: int = KEEP_BUFFERS) -> None:
         if nbytes <= 0 or nbytes % mmap.PAGESIZE or keep < 0:
-            raise ValueError(f"AlignedPool(nbytes={nbytes}, keep={keep}): needs nbytes a positive multiple of the page size ({mmap.PAGESIZE}) and keep >= 0")
+            raise ValueError(
+                f"AlignedPool(nbytes={nbytes}, keep={keep}): needs nbytes a positive multiple of "
+                f"the page size ({mmap.PAGESIZE}) and keep >= 0"
+            )
         self.nbytes, self.keep = nbytes, keep
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
@@ -106,21 +110,26 @@ def _address(buf: mmap.mmap) -> int:
 
 
 def _pin(buf: mmap.mmap) -> None:
-    err = int(torch.cuda.cudart().cudaHostRegister(_address(buf), len(buf), 1))  # 1: portable, for every device
+    err = int(
+        torch.cuda.cudart().cudaHostRegister(_address(buf), len(buf), 1)
+    )  # 1: portable, for every device
     if err == 0:
         _PINNED.add(buf)
     else:  # not fatal: the copies into it go through the driver's own staging, as before
-        logger.debug("cudaHostRegister of a %d-byte aligned buffer failed (cudaError %d): it stays pageable", len(buf), err)
+        logger.debug(
+            "cudaHostRegister of a %d-byte aligned buffer failed (cudaError %d): it stays pageable",
+            len(buf),
+            err,
+        )
 
 
 def _unmap(buf: mmap.mmap) -> None:
     if buf in _PINNED:
         _PINNED.discard(buf)
         torch.cuda.cudart().cudaHostUnregister(_address(buf))
-    try:
+    # A view of it still alive somewhere: unmapped when the last one goes.
+    with contextlib.suppress(BufferError):
         buf.close()
-    except BufferError:  # a view of it is still alive somewhere: unmapped when the last one goes
-        pass
 
 
 # The process's pool, which every save's and load's direct I/O uses.

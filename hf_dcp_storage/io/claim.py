@@ -107,11 +107,16 @@ class Claim:
 
     def _refuse_if_other(self) -> None:
         holder = self._holder
-        if holder is not None and holder.thread is not threading.current_thread() and holder.thread.is_alive():
+        if (
+            holder is not None
+            and holder.thread is not threading.current_thread()
+            and holder.thread.is_alive()
+        ):
             raise RuntimeError(
-                f"this {self._what} is still {self._doing} {holder.where} in thread {holder.thread.name!r} "
-                f"({self._how}); a {self._what} holds one {self._job}'s state at a time: pass a new "
-                f"{self._what} to each {self._job}, or wait for the previous one to end"
+                f"this {self._what} is still {self._doing} {holder.where} in thread "
+                f"{holder.thread.name!r} ({self._how}); a {self._what} holds one {self._job}'s "
+                f"state at a time: pass a new {self._what} to each {self._job}, or wait for the "
+                "previous one to end"
             )
 
 

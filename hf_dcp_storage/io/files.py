@@ -15,7 +15,15 @@ from ..format.header import decode_header, header_length
 from ..format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index, recorded_headers
 from . import fsio
 
-__all__ = ["HEADER_PROBE", "ReadRange", "Folder", "read_index", "read_header", "load_weight_map", "scan_folder"]
+__all__ = [
+    "HEADER_PROBE",
+    "Folder",
+    "ReadRange",
+    "load_weight_map",
+    "read_header",
+    "read_index",
+    "scan_folder",
+]
 
 # First ranged read of every file: most headers fit, so one request usually gets the whole header.
 HEADER_PROBE = 64 << 10
@@ -26,7 +34,8 @@ ReadRange = Callable[[str, int, int], bytes]
 
 @dataclass(frozen=True)
 class Folder:
-    """One listing of a folder: every file under it (recursively) with its size, and its sub-folders.
+    """One listing of a folder: every file under it (recursively) with its size, and its
+    sub-folders.
 
     Paths are relative to the folder (``a``, ``sub/b``). Object stores have no real folders: a
     sub-folder there is any prefix that some file name has.
@@ -61,7 +70,13 @@ def read_index(fs: AbstractFileSystem, root: str) -> bytes | None:
 
 
 def read_header(
-    fs: AbstractFileSystem, root: str, file: str, read_range: ReadRange, *, size: int | None = None, where: str | None = None
+    fs: AbstractFileSystem,
+    root: str,
+    file: str,
+    read_range: ReadRange,
+    *,
+    size: int | None = None,
+    where: str | None = None,
 ) -> FileHeader:
     """Read and validate the header of ``root/file``: one ``HEADER_PROBE`` ranged read, and a
     second only for a larger header. Never reads tensor data.
@@ -80,7 +95,9 @@ def read_header(
         try:
             size = fsio.size(fs, path)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{where}: file named by the checkpoint index does not exist") from None
+            raise FileNotFoundError(
+                f"{where}: file named by the checkpoint index does not exist"
+            ) from None
     raw = read_range(path, 0, min(size, HEADER_PROBE))
     n = header_length(raw, file_size=size, where=where)
     if len(raw) < 8 + n:
@@ -89,7 +106,9 @@ def read_header(
     return FileHeader(entries, metadata, data_start, size)
 
 
-def load_weight_map(fs: AbstractFileSystem, root: str, read_range: ReadRange) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
+def load_weight_map(
+    fs: AbstractFileSystem, root: str, read_range: ReadRange
+) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
     """``key -> file``, the recorded checksums and the recorded headers (``recorded_headers``)
     from the index json, or from the single ``model.safetensors`` (no checksums; its header), for
     a loader.
@@ -103,13 +122,18 @@ def load_weight_map(fs: AbstractFileSystem, root: str, read_range: ReadRange) ->
         if not fsio.exists(fs, fsio.join(root, SINGLE_FILE_NAME)):
             raise FileNotFoundError(
                 f"{fsio.url_of(fs, root)} is not an HF checkpoint: it has neither {INDEX_NAME} "
-                f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder that holds them"
+                f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder "
+                "that holds them"
             )
         header = read_header(fs, root, SINGLE_FILE_NAME, read_range)
         return {e.name: SINGLE_FILE_NAME for e in header.entries}, None, {SINGLE_FILE_NAME: header}
     where = fsio.url_of(fs, fsio.join(root, INDEX_NAME))
     index = parse_index(raw, where)
-    return index.weight_map, index.checksums, recorded_headers(index.metadata, sorted(set(index.weight_map.values())), where)
+    return (
+        index.weight_map,
+        index.checksums,
+        recorded_headers(index.metadata, sorted(set(index.weight_map.values())), where),
+    )
 
 
 def scan_folder(fs: AbstractFileSystem, root: str) -> Folder | None:
@@ -130,7 +154,9 @@ def scan_folder(fs: AbstractFileSystem, root: str) -> Folder | None:
         if not path.startswith(base):
             continue  # the root itself
         rel = path[len(base) :]
-        if info.get("type") == "directory" or rel.endswith("/"):  # S3 folder placeholders end in "/"
+        if info.get("type") == "directory" or rel.endswith(
+            "/"
+        ):  # S3 folder placeholders end in "/"
             dirs.add(rel.rstrip("/"))
         else:
             files[rel] = int(info.get("size") or 0)

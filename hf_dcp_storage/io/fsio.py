@@ -27,47 +27,46 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 __all__ = [
-    "resolve",
-    "resolvable",
-    "join",
-    "is_local",
-    "is_s3",
-    "is_gcs",
-    "is_azure",
-    "url_of",
-    "forget",
-    "read_range",
-    "read_all",
-    "open_read",
     "exists",
+    "find_entries",
+    "forget",
+    "fsync_dir",
+    "is_local",
     "isdir",
     "isfile",
-    "size",
-    "list_names",
+    "join",
     "list_entries",
+    "list_names",
     "list_tree",
-    "find_entries",
-    "remove_many",
-    "remove",
-    "remove_tree",
-    "write_atomic",
-    "part_bytes",
-    "open_stream",
-    "write_stream",
+    "open_read",
     "open_rw",
-    "pwrite_all",
+    "open_stream",
+    "part_bytes",
     "pread_into",
+    "pwrite_all",
+    "read_all",
+    "read_range",
+    "remove",
+    "remove_many",
+    "remove_tree",
+    "resolvable",
+    "resolve",
+    "size",
     "start_writeback",
-    "fsync_dir",
+    "url_of",
+    "write_atomic",
+    "write_stream",
 ]
 
 
-def resolve(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> tuple[AbstractFileSystem, str]:
+def resolve(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> tuple[AbstractFileSystem, str]:
     """The filesystem and root path for a local path or any fsspec URL."""
     return fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
 
 
-def resolvable(cls: type, checkpoint_id: str | os.PathLike[str]) -> bool:
+def resolvable(cls: type, checkpoint_id: str | os.PathLike[Any]) -> bool:
     """``validate_checkpoint_id`` of the writer and the reader (``cls`` is theirs): a local
     path or a URL of an installed fsspec filesystem."""
     try:
@@ -83,21 +82,6 @@ def join(root: str, *parts: str) -> str:
 
 def is_local(fs: AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
-
-
-def is_s3(fs: AbstractFileSystem) -> bool:
-    """Whether ``fs`` is s3fs (S3 or an S3-compatible endpoint), told without importing it."""
-    return type(fs).__module__.split(".")[0] == "s3fs"
-
-
-def is_gcs(fs: AbstractFileSystem) -> bool:
-    """Whether ``fs`` is gcsfs (Google Cloud Storage), told without importing it."""
-    return type(fs).__module__.split(".")[0] == "gcsfs"
-
-
-def is_azure(fs: AbstractFileSystem) -> bool:
-    """Whether ``fs`` is adlfs's Azure Blob filesystem (``az://``, ``abfs://``), told without importing it."""
-    return type(fs).__module__.split(".")[0] == "adlfs" and type(fs).__name__ == "AzureBlobFileSystem"
 
 
 def url_of(fs: AbstractFileSystem, path: str) -> str:
@@ -184,7 +168,9 @@ def list_entries(fs: AbstractFileSystem, directory: str) -> list[dict[str, Any]]
         return []
 
 
-def find_entries(fs: AbstractFileSystem, directory: str, *, withdirs: bool = True) -> dict[str, dict[str, Any]]:
+def find_entries(
+    fs: AbstractFileSystem, directory: str, *, withdirs: bool = True
+) -> dict[str, dict[str, Any]]:
     """Every entry under ``directory`` now, by full path (one recursive listing: on S3 one
     request per 1,000 objects).
 
@@ -221,10 +207,8 @@ def remove_many(fs: AbstractFileSystem, paths: list[str]) -> None:
 
 def remove(fs: AbstractFileSystem, path: str) -> None:
     """Delete one file if it exists."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         fs.rm_file(path)
-    except FileNotFoundError:
-        pass
 
 
 def remove_tree(fs: AbstractFileSystem, path: str) -> None:
@@ -236,10 +220,8 @@ def remove_tree(fs: AbstractFileSystem, path: str) -> None:
     the files with a fresh recursive listing.
     """
     forget(fs, path)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         fs.rm(path, recursive=True)
-    except FileNotFoundError:
-        pass
     forget(fs, path)
 
 
@@ -307,7 +289,8 @@ def write_stream(fs: AbstractFileSystem, path: str, size_hint: int) -> Iterator[
 
 
 def open_rw(path: str, *, create: bool) -> int:
-    """A raw descriptor for positioned writes; ``create`` makes the file if missing (never truncates)."""
+    """A raw descriptor for positioned writes; ``create`` makes the file if missing (never
+    truncates)."""
     return os.open(path, os.O_WRONLY | (os.O_CREAT if create else 0), 0o644)
 
 
@@ -336,7 +319,9 @@ def pread_into(fd: int, buf: memoryview, offset: int, *, where: str) -> None:
     while buf:
         n = os.preadv(fd, [buf], offset)
         if n == 0:
-            raise ValueError(f"{where}: unexpected end of file at byte {offset}; the file is truncated")
+            raise ValueError(
+                f"{where}: unexpected end of file at byte {offset}; the file is truncated"
+            )
         buf, offset = buf[n:], offset + n
 
 

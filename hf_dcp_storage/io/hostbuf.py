@@ -24,7 +24,7 @@ import torch
 
 from .slabs import SLAB_BYTES
 
-__all__ = ["HostBuffers", "KeptHostBuffers", "to_host", "copy_into", "from_host"]
+__all__ = ["HostBuffers", "KeptHostBuffers", "copy_into", "from_host", "to_host"]
 
 
 class HostBuffers:
@@ -78,7 +78,8 @@ class HostBuffers:
             self._cond.notify()
 
     def drain(self) -> None:
-        """Wait for every copy still reading a released buffer (a load's last host-to-device copies)."""
+        """Wait for every copy still reading a released buffer (a load's last host-to-device
+        copies)."""
         with self._cond:
             pending = [done for _, done in self._free if done is not None]
         for done in pending:
@@ -106,14 +107,18 @@ class KeptHostBuffers:
             return self.pool
 
 
-def _view(buf: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+def _view(
+    buf: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
     n = 1
     for s in shape:
         n *= s
     return buf[: n * dtype.itemsize].view(dtype).view(shape)
 
 
-def to_host(parts: Iterable[torch.Tensor], dtype: torch.dtype, pool: HostBuffers, depth: int = 2) -> Iterator[torch.Tensor]:
+def to_host(
+    parts: Iterable[torch.Tensor], dtype: torch.dtype, pool: HostBuffers, depth: int = 2
+) -> Iterator[torch.Tensor]:
     """Host copies of ``parts`` in ``dtype``, in order, each in a pooled buffer that stays valid
     until the next item is asked for (or the generator is closed).
 
@@ -127,12 +132,12 @@ def to_host(parts: Iterable[torch.Tensor], dtype: torch.dtype, pool: HostBuffers
     handed: torch.Tensor | None = None
     stream = None
     try:
-        for part in parts:
+        for given in parts:
             if handed is not None:  # asked for more: the caller is done with it
                 pool.release(handed)
                 handed = None
-            if part.device.type == "cuda" and part.dtype.itemsize > dtype.itemsize:
-                part = part.to(dtype)
+            narrower = given.device.type == "cuda" and given.dtype.itemsize > dtype.itemsize
+            part = given.to(dtype) if narrower else given
             buf = pool.acquire(part.numel() * dtype.itemsize)
             host = _view(buf, dtype, part.shape)
             event = None
@@ -177,7 +182,9 @@ def copy_into(part: torch.Tensor, dtype: torch.dtype, dest: memoryview) -> None:
     _view(host, dtype, part.shape).copy_(part)  # synchronous: the bytes are there when it returns
 
 
-def _oldest(pending: deque[tuple[torch.Tensor, torch.Tensor, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _oldest(
+    pending: deque[tuple[torch.Tensor, torch.Tensor, Any]],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The oldest copy, once complete: ``(buffer, host tensor)``."""
     buf, host, event = pending.popleft()
     if event is not None:
@@ -197,7 +204,7 @@ def from_host(dest: torch.Tensor, fill: Any, dtype: torch.dtype, pool: HostBuffe
     host = _view(buf, dtype, dest.shape)
     event = None
     try:
-        fill(memoryview(host.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+        fill(host.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
         if dest.device.type == "cuda":
             if dest.dtype == dtype:
                 dest.copy_(host, non_blocking=True)  # straight into the shard

@@ -7,7 +7,7 @@ store says where a slab's bytes go (``place``: a direct write's aligned buffer),
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
@@ -24,7 +24,10 @@ Place = Callable[[int, int], "memoryview | None"]
 
 
 def item_slabs(
-    item: WriteItem, planner: SavePlanner, host: Callable[[torch.Tensor], HostBuffers], place: Place | None = None
+    item: WriteItem,
+    planner: SavePlanner,
+    host: Callable[[torch.Tensor], HostBuffers],
+    place: Place | None = None,
 ) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
     """``(runs, bytes)`` per slab of a write item, cast to the planned dtype (bounded memory).
 
@@ -36,14 +39,22 @@ def item_slabs(
     assert td is not None
     tensor = planner.resolve_data(item)
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"planner resolved {item.index.fqn!r} to {type(tensor).__name__}, expected a tensor")
+        raise TypeError(
+            f"planner resolved {item.index.fqn!r} to {type(tensor).__name__}, expected a tensor"
+        )
     sizes = tuple(td.chunk.sizes)
     if tuple(tensor.shape) != sizes:
-        raise RuntimeError(f"{item.index.fqn!r}: planned chunk {list(sizes)} but the data has shape {list(tensor.shape)}")
+        raise RuntimeError(
+            f"{item.index.fqn!r}: planned chunk {list(sizes)} "
+            f"but the data has shape {list(tensor.shape)}"
+        )
     dtype = td.properties.dtype
     itemsize = element_size(dtype)
     bounds = list(slab_bounds(sizes, max(itemsize, tensor.element_size())))
-    runs = [chunk_runs(td.size, *sub_chunk(td.chunk.offsets, sizes, r0, r1), itemsize) for r0, r1 in bounds]
+    runs = [
+        chunk_runs(td.size, *sub_chunk(td.chunk.offsets, sizes, r0, r1), itemsize)
+        for r0, r1 in bounds
+    ]
     if tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous():
         for (r0, r1), slab_runs in zip(bounds, runs, strict=True):
             yield slab_runs, as_bytes(tensor[r0:r1] if sizes else tensor)
@@ -52,7 +63,9 @@ def item_slabs(
     if place is not None:
         yield from _placed_slabs(tensor, parts, runs, dtype, host, place)
         return
-    depth = 2 if tensor.device.type == "cuda" else 1  # CPU copies are synchronous: nothing to overlap
+    depth = (
+        2 if tensor.device.type == "cuda" else 1
+    )  # CPU copies are synchronous: nothing to overlap
     for slab_runs, data in zip(runs, to_host(parts, dtype, host(tensor), depth), strict=True):
         yield slab_runs, as_bytes(data)
 
@@ -60,7 +73,7 @@ def item_slabs(
 def _placed_slabs(
     tensor: torch.Tensor,
     parts: list[torch.Tensor],
-    runs: list[Iterable[tuple[int, int, int]]],
+    runs: Sequence[Iterable[tuple[int, int, int]]],
     dtype: torch.dtype,
     host: Callable[[torch.Tensor], HostBuffers],
     place: Place,
@@ -68,8 +81,8 @@ def _placed_slabs(
     """Each slab (``parts``, of ``tensor``) copied where ``place`` says (one copy, not two), or,
     where it gives nothing, through a host buffer (asked of ``host`` only then). A slab at a
     time: the store writes one before the next is placed."""
-    for part, slab_runs in zip(parts, runs, strict=True):
-        slab_runs = list(slab_runs)
+    for part, planned in zip(parts, runs, strict=True):
+        slab_runs = list(planned)
         dest = place(slab_runs[0][0], slab_runs[0][2]) if len(slab_runs) == 1 else None
         if dest is not None:
             copy_into(part, dtype, dest)

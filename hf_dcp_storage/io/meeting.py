@@ -22,6 +22,7 @@ job, ``{prefix}/beat/{global rank}``, reused by every save.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
@@ -43,15 +44,19 @@ _PER_SAVE_KEYS = ("arrived", "all", "failed", "ranks", "who")
 def check_rank_timeout(value: object) -> float:
     """``value`` as seconds, or ``ValueError`` naming it (the writer's and manager's option)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"rank_timeout={value!r} must be a number of seconds > 0 (how long a silent rank is waited for)")
+        raise ValueError(
+            f"rank_timeout={value!r} must be a number of seconds > 0 (how long a silent rank is "
+            "waited for)"
+        )
     return float(value)
 
 
 def _store() -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "HFStorageWriter: a save on several ranks needs torch.distributed initialised (its key-value store "
-            "is where ranks meet before gathering each other's staged bytes); call init_process_group first"
+            "HFStorageWriter: a save on several ranks needs torch.distributed initialised (its "
+            "key-value store is where ranks meet before gathering each other's staged bytes); "
+            "call init_process_group first"
         )
     # The default group's store: every rank of any group of the job can reach it.
     return dist.distributed_c10d._get_default_store()
@@ -84,7 +89,9 @@ class Meeting:
         """Say which process this rank is (for the watchers) and begin to beat."""
         self.store.add(self._beat_key, 1)
         self.store.append(f"{self.key}/ranks", f"{self.rank}:{dist.get_rank()},")
-        self._thread = threading.Thread(target=self._beat, name=f"hf-dcp-beat-{self.rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat, name=f"hf-dcp-beat-{self.rank}", daemon=True
+        )
         self._thread.start()
 
     def _beat(self) -> None:
@@ -129,16 +136,18 @@ class Meeting:
             except RuntimeError as exc:  # TCPStore: DistStoreError; FileStore: a plain RuntimeError
                 if "timeout" not in str(exc).lower():
                     raise RuntimeError(
-                        f"rank {self.rank} of {self.world} lost the job's key-value store while waiting for the other ranks "
-                        f"to stage their bytes ({exc}); the process hosting it (usually rank 0) has probably died"
+                        f"rank {self.rank} of {self.world} lost the job's key-value store while "
+                        f"waiting for the other ranks to stage their bytes ({exc}); the process "
+                        "hosting it (usually rank 0) has probably died"
                     ) from exc
             silent = watch.silent()
             if silent:
                 shown = silent if len(silent) <= 16 else [*silent[:16], "..."]
                 message = (
-                    f"ranks {shown} of {self.world} stopped answering for {self.rank_timeout:g} s before they had staged "
-                    f"their bytes (dead or hung), so rank {self.rank} stops waiting for them and the save fails; "
-                    f"raise HFStorageWriter(rank_timeout=...) if ranks can stall that long while alive"
+                    f"ranks {shown} of {self.world} stopped answering for {self.rank_timeout:g} s "
+                    f"before they had staged their bytes (dead or hung), so rank {self.rank} "
+                    "stops waiting for them and the save fails; raise "
+                    "HFStorageWriter(rank_timeout=...) if ranks can stall that long while alive"
                 )
                 # Logged too: DCP next gathers every rank's result, and with a rank dead that
                 # collective fails with the transport's own error, which would hide this one.
@@ -196,7 +205,6 @@ def forget(save_id: str) -> None:
     """(coordinator, after every rank has passed the meeting) Drop the save's keys."""
     store = _store()
     for name in _PER_SAVE_KEYS:
-        try:
+        # Any error: a store without deletes keeps a few bytes; nothing to fail for.
+        with contextlib.suppress(Exception):
             store.delete_key(f"{_PREFIX}/{save_id}/{name}")
-        except Exception:  # noqa: BLE001 - a store without deletes keeps a few bytes; nothing to fail
-            pass

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-__all__ = ["parallel_map", "fetch_spans"]
+__all__ = ["check_thread_count", "fetch_spans", "parallel_map"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -38,7 +38,12 @@ def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int) -> l
         return [f.result() for f in futures]
 
 
-def fetch_spans(loop: Any, read: Callable[[str, int, int], Awaitable[bytes]], spans: Sequence[tuple[str, int, int]], concurrency: int) -> list[bytes]:
+def fetch_spans(
+    loop: Any,
+    read: Callable[[str, int, int], Awaitable[bytes]],
+    spans: Sequence[tuple[str, int, int]],
+    concurrency: int,
+) -> list[bytes]:
     """``[read(path, start, end) for each span]`` on the event loop ``loop`` (an fsspec async
     filesystem's), up to ``concurrency`` reads in flight, in the spans' order; an empty span
     reads nothing. ``read`` is a store's one retried ranged GET."""
@@ -55,3 +60,11 @@ def fetch_spans(loop: Any, read: Callable[[str, int, int], Awaitable[bytes]], sp
         return list(await asyncio.gather(*(one(*span) for span in spans)))
 
     return sync(loop, fetch_all)
+
+
+def check_thread_count(thread_count: int) -> int:
+    """A ``thread_count`` option (the writer's, the reader's, the tools'): an int >= 1, or
+    ``ValueError`` naming it."""
+    if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
+        raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
+    return thread_count

@@ -4,8 +4,8 @@ While a save is under way its folder holds, under ``.hf_dcp_staging/``:
 
 * ``save.json``: written by the coordinator after planning, before any rank writes: the save's
   id, how the bytes travel (``direct`` positioned writes, ``staged`` objects, ``s3`` multipart
-  uploads, ``gcs`` composed part objects, ``azure`` committed blocks), the world size, every output file's name and encoded header, and on S3 the ids of
-  the multipart uploads;
+  uploads, ``gcs`` composed part objects, ``azure`` committed blocks), the world size, every
+  output file's name and encoded header, and on S3 the ids of the multipart uploads;
 * ``rank{r:05d}.json``: written by rank ``r`` once every byte it owes is durable (or uploaded):
   what it wrote, item by item (key, chunk, where its staged bytes sit, its CRC32 share, S3
   part ETags).
@@ -32,17 +32,17 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 __all__ = [
-    "FORMAT",
-    "SAVE_RECORD",
-    "MODES",
-    "rank_record_name",
     "COMPLETION_RECORD",
+    "FORMAT",
+    "MODES",
+    "SAVE_RECORD",
     "CompletionRecord",
-    "RecordError",
-    "SaveRecord",
     "ItemRecord",
     "RankRecord",
+    "RecordError",
+    "SaveRecord",
     "rank_record",
+    "rank_record_name",
 ]
 
 FORMAT = 1
@@ -76,7 +76,10 @@ class SaveRecord:
                 "save_id": self.save_id,
                 "mode": self.mode,
                 "world_size": self.world_size,
-                "files": [{"name": name, "header": base64.b64encode(header).decode("ascii")} for name, header in self.files],
+                "files": [
+                    {"name": name, "header": base64.b64encode(header).decode("ascii")}
+                    for name, header in self.files
+                ],
                 "uploads": {str(f): u for f, u in sorted(self.uploads.items())},
             }
         )
@@ -85,12 +88,25 @@ class SaveRecord:
     def decode(cls, raw: bytes, where: str) -> SaveRecord:
         obj = _load(raw, where)
         try:
-            files = tuple((str(f["name"]), base64.b64decode(f["header"], validate=True)) for f in obj["files"])
-            record = cls(str(obj["save_id"]), obj["mode"], int(obj["world_size"]), files, {int(f): str(u) for f, u in obj["uploads"].items()})
+            files = tuple(
+                (str(f["name"]), base64.b64decode(f["header"], validate=True)) for f in obj["files"]
+            )
+            record = cls(
+                str(obj["save_id"]),
+                obj["mode"],
+                int(obj["world_size"]),
+                files,
+                {int(f): str(u) for f, u in obj["uploads"].items()},
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RecordError(f"{where}: not a valid save record ({type(exc).__name__}: {exc})") from None
+            raise RecordError(
+                f"{where}: not a valid save record ({type(exc).__name__}: {exc})"
+            ) from None
         if record.mode not in MODES or record.world_size < 1:
-            raise RecordError(f"{where}: not a valid save record (mode {record.mode!r}, world size {record.world_size})")
+            raise RecordError(
+                f"{where}: not a valid save record (mode {record.mode!r}, world size "
+                f"{record.world_size})"
+            )
         return record
 
 
@@ -118,7 +134,16 @@ class RankRecord:
 
     def encode(self) -> bytes:
         items = [
-            [i.key, list(i.offsets), list(i.sizes), i.nbytes, i.file, i.staged_offset, f"{i.crc:08x}", list(i.parts)]
+            [
+                i.key,
+                list(i.offsets),
+                list(i.sizes),
+                i.nbytes,
+                i.file,
+                i.staged_offset,
+                f"{i.crc:08x}",
+                list(i.parts),
+            ]
             for i in self.items
         ]
         return _json({"format": FORMAT, "save_id": self.save_id, "rank": self.rank, "items": items})
@@ -128,12 +153,23 @@ class RankRecord:
         obj = _load(raw, where)
         try:
             items = tuple(
-                ItemRecord(str(k), tuple(map(int, o)), tuple(map(int, s)), int(n), int(f), None if so is None else int(so), int(c, 16), tuple(p))
+                ItemRecord(
+                    str(k),
+                    tuple(map(int, o)),
+                    tuple(map(int, s)),
+                    int(n),
+                    int(f),
+                    None if so is None else int(so),
+                    int(c, 16),
+                    tuple(p),
+                )
                 for k, o, s, n, f, so, c, p in obj["items"]
             )
             return cls(str(obj["save_id"]), int(obj["rank"]), items)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RecordError(f"{where}: not a valid rank record ({type(exc).__name__}: {exc})") from None
+            raise RecordError(
+                f"{where}: not a valid rank record ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -141,10 +177,18 @@ class CompletionRecord:
     """The parts the coordinator completed each file's upload with (``complete.json``)."""
 
     save_id: str
-    parts: Mapping[str, tuple[dict[str, Any], ...]]  # file name -> ({"PartNumber", "ETag"[, "CRC32C"]}, ...)
+    parts: Mapping[
+        str, tuple[dict[str, Any], ...]
+    ]  # file name -> ({"PartNumber", "ETag"[, "CRC32C"]}, ...)
 
     def encode(self) -> bytes:
-        return _json({"format": FORMAT, "save_id": self.save_id, "parts": {n: list(p) for n, p in sorted(self.parts.items())}})
+        return _json(
+            {
+                "format": FORMAT,
+                "save_id": self.save_id,
+                "parts": {n: list(p) for n, p in sorted(self.parts.items())},
+            }
+        )
 
     @classmethod
     def decode(cls, raw: bytes, where: str) -> CompletionRecord:
@@ -153,7 +197,9 @@ class CompletionRecord:
             parts = {str(n): tuple(_part_entry(e) for e in p) for n, p in obj["parts"].items()}
             return cls(str(obj["save_id"]), parts)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RecordError(f"{where}: not a valid completion record ({type(exc).__name__}: {exc})") from None
+            raise RecordError(
+                f"{where}: not a valid completion record ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def _part_entry(e: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,14 +210,31 @@ def _part_entry(e: Mapping[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def rank_record(save_id: str, rank: int, items: list[WriteItem], results: list[WriteResult]) -> RankRecord:
+def rank_record(
+    save_id: str, rank: int, items: list[WriteItem], results: list[WriteResult]
+) -> RankRecord:
     """What a rank wrote, for ``rank{r}.json``: each item's result (``storage_data`` a
     ``plan/rankplan.Written``) and its chunk's sizes."""
-    sizes = {item.index: tuple(item.tensor_data.chunk.sizes) for item in items if item.tensor_data is not None}
+    sizes = {
+        item.index: tuple(item.tensor_data.chunk.sizes)
+        for item in items
+        if item.tensor_data is not None
+    }
     records = []
     for r in results:
         w = r.storage_data
-        records.append(ItemRecord(r.index.fqn, tuple(r.index.offset or ()), sizes[r.index], r.size_in_bytes, w.file, w.staged_offset, w.crc, w.parts))
+        records.append(
+            ItemRecord(
+                r.index.fqn,
+                tuple(r.index.offset or ()),
+                sizes[r.index],
+                r.size_in_bytes,
+                w.file,
+                w.staged_offset,
+                w.crc,
+                w.parts,
+            )
+        )
     return RankRecord(save_id, rank, tuple(records))
 
 

@@ -1,4 +1,5 @@
-"""Retries for remote operations: exponential backoff with full jitter, bounded in attempts and time.
+"""Retries for remote operations: exponential backoff with full jitter, bounded in attempts and
+time.
 
 A remote request fails in one of two ways. Transient failures (503 SlowDown, 500, a reset
 connection, a truncated body, a timeout) go away if the same idempotent request is sent again
@@ -19,32 +20,83 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["RetryPolicy", "is_transient", "RemoteOperationError", "StoreError"]
+__all__ = ["RemoteOperationError", "RetryPolicy", "StoreError", "is_transient", "policy_or_default"]
 
 T = TypeVar("T")
 
 # S3 error codes that mean "try again later"; anything else with a 4xx status is permanent.
 _TRANSIENT_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-     "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "BandwidthLimitExceeded"}
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+    }
 )
 # Connection-level failures by class name, so that optional libraries (botocore, aiohttp)
 # need not be imported here: resets, closed connections, truncated bodies, timeouts.
 _TRANSIENT_CLASS_NAMES = frozenset(
-    {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-     "IncompleteReadError", "ResponseStreamingError", "ClientPayloadError", "ServerDisconnectedError",
-     "ClientConnectionError", "ClientOSError", "ServerTimeoutError", "ContentLengthError",
-     "TransferEncodingError", "HTTPClientError", "ProxyConnectionError", "IncompleteRead",
-     "FSTimeoutError", "ResponseParserError", "ChecksumError", "FlexibleChecksumError",
-     "AWSChunkedDecodingError", "ProxyError", "ServiceRequestError", "ServiceResponseError",
-     "IncompleteReadError", "ServiceRequestTimeoutError", "ServiceResponseTimeoutError"}
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "IncompleteReadError",
+        "ResponseStreamingError",
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ClientConnectionError",
+        "ClientOSError",
+        "ServerTimeoutError",
+        "ContentLengthError",
+        "TransferEncodingError",
+        "HTTPClientError",
+        "ProxyConnectionError",
+        "IncompleteRead",
+        "FSTimeoutError",
+        "ResponseParserError",
+        "ChecksumError",
+        "FlexibleChecksumError",
+        "AWSChunkedDecodingError",
+        "ProxyError",
+        "ServiceRequestError",
+        "ServiceResponseError",
+        "ServiceRequestTimeoutError",
+        "ServiceResponseTimeoutError",
+    }
 )
 # HTTP statuses that mean "try again later" where a store's error carries only its status
 # (GCS, Azure): server errors, request timeout, too many requests.
 _TRANSIENT_STATUSES = frozenset({408, 429})
 # Azure error codes of permanent failures that name what is missing or refused.
-_MISSING_CODES = frozenset({"NoSuchBucket", "NoSuchKey", "NoSuchUpload", "404", "NotFound", "BlobNotFound", "ContainerNotFound", "ResourceNotFound"})
-_DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "AuthorizationFailure", "AuthenticationFailed", "AuthorizationPermissionMismatch"})
+_MISSING_CODES = frozenset(
+    {
+        "NoSuchBucket",
+        "NoSuchKey",
+        "NoSuchUpload",
+        "404",
+        "NotFound",
+        "BlobNotFound",
+        "ContainerNotFound",
+        "ResourceNotFound",
+    }
+)
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "403",
+        "AuthorizationFailure",
+        "AuthenticationFailed",
+        "AuthorizationPermissionMismatch",
+    }
+)
 
 
 class RemoteOperationError(OSError):
@@ -77,13 +129,22 @@ def is_transient(exc: BaseException) -> bool:
         if code in {"NotImplemented", "XNotImplemented"} or status == 501:
             return False  # the store lacks the feature; asking again will not add it
         return code in _TRANSIENT_CODES or status >= 500
-    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(
+        exc,
+        (
+            FileNotFoundError,
+            PermissionError,
+            FileExistsError,
+            IsADirectoryError,
+            NotADirectoryError,
+        ),
+    ):
         return False
-    status = _status(exc)
-    if status is not None:  # a store's HTTP error answer (GCS, Azure)
-        if status == 501:
+    http = _status(exc)
+    if http is not None:  # a store's HTTP error answer (GCS, Azure)
+        if http == 501:
             return False
-        return status >= 500 or status in _TRANSIENT_STATUSES
+        return http >= 500 or http in _TRANSIENT_STATUSES
     cause = exc.__cause__
     if type(exc) is OSError and cause is not None and cause is not exc:
         return is_transient(cause)
@@ -115,13 +176,24 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise ValueError(f"RetryPolicy(max_attempts={self.max_attempts!r}) must be an int >= 1 (1 = no retries)")
+            raise ValueError(
+                f"RetryPolicy(max_attempts={self.max_attempts!r}) must be an int >= 1 (1 = no "
+                "retries)"
+            )
         for name in ("base_delay", "max_delay", "deadline"):
             if getattr(self, name) < 0:
-                raise ValueError(f"RetryPolicy({name}={getattr(self, name)!r}) must be >= 0 seconds")
+                raise ValueError(
+                    f"RetryPolicy({name}={getattr(self, name)!r}) must be >= 0 seconds"
+                )
 
     def call(
-        self, fn: Callable[[], T], *, operation: str, url: str, sleep: Callable[[float], None] = time.sleep, keep_permanent: bool = False
+        self,
+        fn: Callable[[], T],
+        *,
+        operation: str,
+        url: str,
+        sleep: Callable[[float], None] = time.sleep,
+        keep_permanent: bool = False,
     ) -> T:
         """``fn()``, retried on transient failures.
 
@@ -139,14 +211,15 @@ class RetryPolicy:
         while True:
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - classified, then re-raised with context
+            except Exception as exc:
                 if keep_permanent and not is_transient(exc):
                     raise
                 attempt += 1
                 sleep(self._delay_or_raise(exc, attempt, started, operation, url))
 
     async def acall(self, fn: Callable[[], Awaitable[T]], *, operation: str, url: str) -> T:
-        """``await fn()``, retried like :meth:`call`; for requests issued concurrently on one event loop."""
+        """``await fn()``, retried like :meth:`call`; for requests issued concurrently on one
+        event loop."""
         started = time.monotonic()
         attempt = 0
         while True:
@@ -156,7 +229,9 @@ class RetryPolicy:
                 attempt += 1
                 await asyncio.sleep(self._delay_or_raise(exc, attempt, started, operation, url))
 
-    def _delay_or_raise(self, exc: Exception, attempt: int, started: float, operation: str, url: str) -> float:
+    def _delay_or_raise(
+        self, exc: Exception, attempt: int, started: float, operation: str, url: str
+    ) -> float:
         """The sleep before the next attempt, or raise if ``exc`` ends the retries."""
         if not is_transient(exc):
             raise _permanent(exc, operation, url) from exc
@@ -165,8 +240,8 @@ class RetryPolicy:
         if attempt >= self.max_attempts or elapsed + delay > self.deadline:
             raise RemoteOperationError(
                 f"{operation} {url} failed after {attempt} attempt(s) over {elapsed:.1f} s: "
-                f"{_describe(exc)}; raise RetryPolicy(max_attempts=..., deadline=...) if the store "
-                f"is only slow"
+                f"{_describe(exc)}; raise RetryPolicy(max_attempts=..., deadline=...) if the "
+                "store is only slow"
             ) from exc
         return delay
 
@@ -199,3 +274,11 @@ def _status(exc: BaseException) -> int | None:
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
+
+
+def policy_or_default(retry: RetryPolicy | None) -> RetryPolicy:
+    """A ``retry`` option: a ``RetryPolicy``, or ``None`` for the default one; else
+    ``ValueError`` naming what was given."""
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise ValueError(f"retry must be a hf_dcp_storage.RetryPolicy, got {type(retry).__name__}")
+    return retry or RetryPolicy()

@@ -11,14 +11,16 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["SLAB_BYTES", "slab_bounds", "as_bytes", "sub_chunk"]
+__all__ = ["SLAB_BYTES", "as_bytes", "slab_bounds", "sub_chunk"]
 
 # Large enough that per-call overhead vanishes next to memcpy/pwrite, small enough that a few
 # threads' worth stays well under the 128 MiB extra-memory budget per rank.
 SLAB_BYTES = 16 << 20
 
 
-def slab_bounds(sizes: Sequence[int], itemsize: int, slab_bytes: int = SLAB_BYTES) -> Iterator[tuple[int, int]]:
+def slab_bounds(
+    sizes: Sequence[int], itemsize: int, slab_bytes: int = SLAB_BYTES
+) -> Iterator[tuple[int, int]]:
     """``[r0, r1)`` ranges over dim 0 of a chunk of ``sizes``, each about ``slab_bytes``.
 
     A 0-dim chunk is one slab ``(0, 1)``; an empty chunk has none. A single dim-0 row larger than
@@ -35,7 +37,9 @@ def slab_bounds(sizes: Sequence[int], itemsize: int, slab_bytes: int = SLAB_BYTE
         yield r0, min(sizes[0], r0 + step)
 
 
-def sub_chunk(offsets: Sequence[int], sizes: Sequence[int], r0: int, r1: int) -> tuple[list[int], list[int]]:
+def sub_chunk(
+    offsets: Sequence[int], sizes: Sequence[int], r0: int, r1: int
+) -> tuple[list[int], list[int]]:
     """Global offsets and sizes of rows ``[r0, r1)`` of a chunk."""
     if not sizes:
         return [], []
@@ -51,4 +55,4 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")

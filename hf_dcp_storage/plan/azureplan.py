@@ -1,8 +1,8 @@
 """Pure planning of Azure consolidated files: each one blob whose blocks the ranks stage.
 
 A consolidated file on Azure Blob is one block blob. Its parts are cut as S3's are
-(``plan/s3parts.py``, ``plan/s3plan.py``) with Azure's rules (``AZURE_RULES``: no minimum block size,
-at most 50,000 blocks a blob; a rank stages every run of 1 MiB or more of its own as blocks,
+(``plan/parts.py``, ``plan/partplan.py``) with Azure's rules (``AZURE_RULES``: no minimum block
+size, at most 50,000 blocks a blob; a rank stages every run of 1 MiB or more of its own as blocks,
 smaller runs and column-sharded tensors are staged in an object and gathered into blocks by the
 ranks), and every part is a block of the final blob (``Put Block``), named by ``block_id``. The
 coordinator commits each blob with one ``Put Block List`` of its blocks in file order. Pure.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import base64
 
-from .s3parts import RANK_PART_BYTES, PartRules
+from .parts import RANK_PART_BYTES, PartRules
 
-__all__ = ["AZURE_RULES", "MAX_BLOCKS", "BLOCK_ID_BYTES", "block_id"]
+__all__ = ["AZURE_RULES", "BLOCK_ID_BYTES", "MAX_BLOCKS", "block_id"]
 
 # Azure: at most 50,000 committed blocks a blob (each up to 4,000 MiB).
 MAX_BLOCKS = 50_000
@@ -34,7 +34,10 @@ def block_id(save_id: str, file: int, start: int) -> str:
         ValueError: a file index or offset too large for the fixed width.
     """
     if not 0 <= file < 10**6 or not 0 <= start < 10**13:
-        raise ValueError(f"block id for file {file}, offset {start}: out of the fixed-width range (files < 10^6, offsets < 10^13 bytes)")
+        raise ValueError(
+            f"block id for file {file}, offset {start}: out of the fixed-width range (files < "
+            "10^6, offsets < 10^13 bytes)"
+        )
     raw = f"{save_id[:16]:0<16}-{file:06d}-{start:013d}".encode("ascii")
     assert len(raw) == BLOCK_ID_BYTES
     return base64.b64encode(raw).decode("ascii")

@@ -8,33 +8,39 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ..format.header import TensorEntry, decode_header, dtype_name, encode_header
 from ..format.index import FORMAT_METADATA, index_json, json_bytes, shard_name
 
 __all__ = [
-    "TensorSpec",
+    "DATA_ALIGN",
     "FilePlan",
     "Layout",
     "Placement",
-    "parse_size",
-    "element_size",
+    "TensorSpec",
     "chunk_runs",
     "chunk_runs_array",
     "collect_tensor_specs",
-    "plan_layout",
-    "place_items",
-    "layout_from_files",
-    "whole_tensor_metadata",
+    "element_size",
     "index_bytes",
-    "DATA_ALIGN",
+    "layout_from_files",
+    "parse_size",
+    "place_items",
+    "plan_layout",
+    "whole_tensor_metadata",
 ]
 
 # Where each file's tensor data starts: a page boundary (the header padded with spaces, at most
@@ -66,7 +72,7 @@ def parse_size(size: int | str) -> int:
     if value is None or value < 1:
         raise ValueError(
             f"max_shard_size={size!r} is not a positive size; pass bytes as an int or a string "
-            f"such as '5GB' (decimal) or '512MiB' (binary)"
+            "such as '5GB' (decimal) or '512MiB' (binary)"
         )
     return int(value)
 
@@ -164,7 +170,9 @@ def chunk_runs(
         chunk_pos += run
 
 
-def chunk_runs_array(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int) -> tuple[np.ndarray, np.ndarray, int]:
+def chunk_runs_array(
+    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """``chunk_runs`` as arrays: ``(tensor_byte_offsets, chunk_byte_offsets, run_bytes)``, every
     run being ``run_bytes`` long (int64 arrays, ascending; empty for an empty chunk)."""
     if any(s == 0 for s in sizes):
@@ -174,11 +182,15 @@ def chunk_runs_array(shape: Sequence[int], offsets: Sequence[int], sizes: Sequen
     k, strides, run, base = _run_geometry(shape, offsets, sizes, itemsize)
     starts = np.array([base], dtype=np.int64)
     for d in range(k):  # row-major over the outer dims: the runs' order
-        starts = (starts[:, None] + np.arange(sizes[d], dtype=np.int64) * (strides[d] * itemsize)).ravel()
+        starts = (
+            starts[:, None] + np.arange(sizes[d], dtype=np.int64) * (strides[d] * itemsize)
+        ).ravel()
     return starts, np.arange(len(starts), dtype=np.int64) * run, run
 
 
-def _run_geometry(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int) -> tuple[int, list[int], int, int]:
+def _run_geometry(
+    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int
+) -> tuple[int, list[int], int, int]:
     """``(k, strides, run_bytes, first_byte)`` of a non-empty chunk of a tensor of 1+ dims: ``k``
     is the outermost dim of the longest suffix the chunk covers fully (plus one partial dim), so
     its runs are indexed by its dims before ``k``; ``strides`` in elements."""
@@ -189,7 +201,12 @@ def _run_geometry(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
     strides = [1] * ndim
     for d in range(ndim - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    return k, strides, sizes[k] * strides[k] * itemsize, sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
+    return (
+        k,
+        strides,
+        sizes[k] * strides[k] * itemsize,
+        sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize,
+    )
 
 
 def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
@@ -225,7 +242,8 @@ def collect_tensor_specs(
             if prev != spec:
                 raise ValueError(
                     f"key {spec.key!r} is {prev.dtype}{list(prev.shape)} on one rank and "
-                    f"{spec.dtype}{list(spec.shape)} on another; every rank must hold the same global tensor"
+                    f"{spec.dtype}{list(spec.shape)} on another; every rank must hold the same "
+                    "global tensor"
                 )
     order = dict.fromkeys(k for keys in (key_order or ()) for k in keys if k in specs)
     order.update(dict.fromkeys(specs))
@@ -287,18 +305,22 @@ def _greedy_groups(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[Ten
     return groups
 
 
-def _groups_from_mapping(specs: Sequence[TensorSpec], mapping: Mapping[str, int]) -> list[list[TensorSpec]]:
+def _groups_from_mapping(
+    specs: Sequence[TensorSpec], mapping: Mapping[str, int]
+) -> list[list[TensorSpec]]:
     keys = {s.key for s in specs}
     missing = [s.key for s in specs if s.key not in mapping]
     if missing:
         raise ValueError(
             f"fqn_to_index_mapping has no file index for {_preview(missing)}; map every saved key "
-            f"(after key_mapping) to a 1-based file index"
+            "(after key_mapping) to a 1-based file index"
         )
     unknown = sorted(k for k in mapping if k not in keys)
     if unknown:
         raise ValueError(f"fqn_to_index_mapping names keys that are not saved: {_preview(unknown)}")
-    bad = {k: v for k, v in mapping.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    bad = {
+        k: v for k, v in mapping.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1
+    }
     if bad:
         raise ValueError(f"fqn_to_index_mapping values must be 1-based ints, got {_preview(bad)}")
     n = max(mapping.values(), default=0)
@@ -309,7 +331,7 @@ def _groups_from_mapping(specs: Sequence[TensorSpec], mapping: Mapping[str, int]
     if empty:
         raise ValueError(
             f"fqn_to_index_mapping uses file indices up to {n} but assigns no key to {empty}; "
-            f"number the files 1..N without gaps"
+            "number the files 1..N without gaps"
         )
     return groups
 
@@ -318,7 +340,9 @@ def place_items(layout: Layout, plans: Sequence[SavePlan]) -> list[dict[Metadata
     """For each rank's (deduplicated) plan, the placement of every tensor write item."""
     return [
         {
-            item.index: Placement(layout.file_of[item.index.fqn], layout.tensor_start[item.index.fqn])
+            item.index: Placement(
+                layout.file_of[item.index.fqn], layout.tensor_start[item.index.fqn]
+            )
             for item in plan.items
             if item.tensor_data is not None
         }
@@ -327,8 +351,12 @@ def place_items(layout: Layout, plans: Sequence[SavePlan]) -> list[dict[Metadata
 
 
 def _preview(values: object, limit: int = 8) -> str:
-    items = list(values.items()) if isinstance(values, Mapping) else list(values)  # type: ignore[attr-defined]
-    shown = ", ".join(repr(v) if not isinstance(v, tuple) else f"{v[0]!r}: {v[1]!r}" for v in items[:limit])
+    items = (
+        list(values.items()) if isinstance(values, Mapping) else list(cast(Iterable[Any], values))
+    )
+    shown = ", ".join(
+        repr(v) if not isinstance(v, tuple) else f"{v[0]!r}: {v[1]!r}" for v in items[:limit]
+    )
     more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
     return f"[{shown}]{more}"
 
@@ -355,7 +383,11 @@ def whole_tensor_metadata(layout: Layout) -> dict[str, TensorStorageMetadata]:
     out = {}
     for key, spec in layout.specs.items():
         size = torch.Size(spec.shape)
-        out[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), size, [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+        out[key] = TensorStorageMetadata(
+            TensorProperties(dtype=spec.dtype),
+            size,
+            [ChunkStorageMetadata(torch.Size([0] * len(size)), size)],
+        )
     return out
 
 

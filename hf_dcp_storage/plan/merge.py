@@ -26,7 +26,8 @@ class StagedPiece:
 
 
 def merge_segments(pieces: Iterable[StagedPiece]) -> Iterator[tuple[int, str, int, int]]:
-    """``(output_offset, staged_path, staged_offset, nbytes)`` in output order, adjacent runs joined.
+    """``(output_offset, staged_path, staged_offset, nbytes)`` in output order, adjacent runs
+    joined.
 
     Runs of different pieces interleave (column shards alternate by row), so the pieces' run
     streams are merged lazily by output offset; memory stays one pending run per piece.

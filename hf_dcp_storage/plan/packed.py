@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PackedTuple", "PackedArray", "packed_array"]
+__all__ = ["PackedArray", "PackedTuple", "packed_array"]
 
 
 def _pack(value: Any) -> bytes:
@@ -29,7 +29,7 @@ def _unpack(blob: bytes) -> Any:
     return json.loads(zlib.decompress(blob))
 
 
-class PackedTuple(tuple):  # type: ignore[type-arg]
+class PackedTuple(tuple):  # type: ignore[type-arg]  # noqa: SLOT001 - a tuple subtype takes no non-empty __slots__, and _blob needs a place
     """A tuple of strings (or other JSON values), pickled as one blob."""
 
     _blob: bytes
@@ -49,7 +49,6 @@ def _tuple_from(blob: bytes) -> PackedTuple:
     return out
 
 
-
 class PackedArray(np.ndarray):
     """A read-only array pickled as its dtype, shape and zlib-compressed bytes, packed when made
     (:func:`packed_array`); unpickled as a plain ndarray. For arrays that many ranks' plans
@@ -57,7 +56,7 @@ class PackedArray(np.ndarray):
 
     _blob: bytes
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+    def __reduce__(self) -> str | tuple[Any, ...]:
         blob = getattr(self, "_blob", None)  # a slice or view of one has none
         if blob is None:
             return np.asarray(self).__reduce__()

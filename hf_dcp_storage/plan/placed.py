@@ -2,13 +2,13 @@
 
 Saves to stores without positioned writes need, per chunk, more than compact direct saves do:
 the file it lands in, where its first byte goes, and where it sits in its rank's staged object
-of that file, so that the ranks given the finishing work (``plan/spread.py``) can find every byte. At
-thousands of ranks there are millions of chunks, so this is numpy over one row per chunk, never
-a Python step per chunk.
+of that file, so that the ranks given the finishing work (``plan/spread.py``) can find every
+byte. At thousands of ranks there are millions of chunks, so this is numpy over one row per
+chunk, never a Python step per chunk.
 
 A rank writes (stages) its chunks of a file in output order: by the chunk's first byte in the
-file (``stores/base.py``'s ``in_write_order`` sorts the same way), so where each chunk starts in the rank's
-staged object follows from the sizes of its earlier chunks. Pure: no I/O.
+file (``stores/base.py``'s ``in_write_order`` sorts the same way), so where each chunk starts in
+the rank's staged object follows from the sizes of its earlier chunks. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -19,10 +19,18 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.checkpoint.planner import SavePlan
 
-from .compact import Dedup, GlobalChunks, encode_local, gather
+from .chunks import GlobalChunks, chunk_bytes, encode_local, gather
+from .dedup import Dedup
 from .layout import Layout, element_size
 
-__all__ = ["PlacedChunks", "place_chunks", "place_items", "key_strides", "staged_offsets", "stable_order"]
+__all__ = [
+    "PlacedChunks",
+    "key_strides",
+    "place_chunks",
+    "place_items",
+    "stable_order",
+    "staged_offsets",
+]
 
 
 @dataclass(frozen=True)
@@ -66,52 +74,90 @@ def place_chunks(g: GlobalChunks, dedup: Dedup, layout: Layout) -> PlacedChunks:
     keep = np.ones(len(g.key), dtype=bool)
     keep[dedup.dropped] = False
     rows = np.flatnonzero(keep)
-    width = g.offsets.shape[1]
-    ndim = g.ndim
-    shape = np.zeros((len(g.specs), width), dtype=np.int64)
-    for k, spec in enumerate(g.specs):
-        shape[k, : len(spec.shape)] = spec.shape
-    strides = key_strides(shape, ndim)
+    shape, ndim = g.shapes(), g.ndim
     itemsize = np.array([element_size(s.dtype) for s in g.specs], dtype=np.int64)
     tensor_start = np.array([layout.tensor_start[s.key] for s in g.specs], dtype=np.int64)
     file_of = np.array([layout.file_of[s.key] for s in g.specs], dtype=np.int64)
     key, rank = g.key[rows], g.rank[rows]
-    offsets, sizes = np.take(g.offsets, rows, axis=0), np.take(g.sizes, rows, axis=0)  # np.take: faster than fancy indexing for 2-D rows
-    # Bytes and first byte, a column at a time in int64 (offsets and sizes may be int32).
-    nbytes, element, nd = itemsize[key], np.zeros(len(rows), dtype=np.int64), ndim.astype(np.int8)[key]
-    for d in range(width):
-        nbytes = nbytes * (sizes[:, d] if d < ndim.min(initial=width) else np.where(nd > d, sizes[:, d], 1))
-        element += offsets[:, d] * strides[:, d][key]
-    del nd
-    start = tensor_start[key] + element * itemsize[key]
-    del element
+    # np.take: faster than fancy indexing for 2-D rows.
+    offsets, sizes = np.take(g.offsets, rows, axis=0), np.take(g.sizes, rows, axis=0)
+    nbytes = chunk_bytes(g, key, ndim.astype(np.int8)[key], sizes)
+    start = (
+        tensor_start[key] + _first_element(offsets, key_strides(shape, ndim), key) * itemsize[key]
+    )
     file = file_of[key]
-    # Sort by (rank, file, start): one int64 sort key where it fits, else a lexsort.
+    order = _output_order(rank, file, start, layout)
+    if order is not None:
+        rank, key, file, start, nbytes = (
+            rank[order],
+            key[order],
+            file[order],
+            start[order],
+            nbytes[order],
+        )
+        offsets, sizes = np.take(offsets, order, axis=0), np.take(sizes, order, axis=0)
+    staged = staged_offsets(rank, file, nbytes)
+    rank, key, file = (
+        rank.astype(np.int32, copy=False),
+        key.astype(np.int32, copy=False),
+        file.astype(np.int32),
+    )
+    # All >= 0 here.
+    if offsets.dtype != np.int32 and (not len(offsets) or int((offsets + sizes).max()) < 2**31):
+        offsets, sizes = offsets.astype(np.int32), sizes.astype(np.int32)
+    names = tuple(spec.key for spec in g.specs)
+    return PlacedChunks(
+        names,
+        rank,
+        key,
+        file,
+        start,
+        nbytes,
+        offsets,
+        sizes,
+        staged,
+        shape,
+        itemsize,
+        tensor_start,
+        file_of,
+        ndim,
+    )
+
+
+def _first_element(offsets: np.ndarray, strides: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Each chunk's first element in its tensor, row-major (``strides`` per key), a column at
+    a time in int64 (offsets may be int32)."""
+    element = np.zeros(len(key), dtype=np.int64)
+    for d in range(offsets.shape[1]):
+        element += offsets[:, d] * strides[:, d][key]
+    return element
+
+
+def _output_order(
+    rank: np.ndarray, file: np.ndarray, start: np.ndarray, layout: Layout
+) -> np.ndarray | None:
+    """The chunks sorted by (rank, file, start), or ``None`` where they are so already: one
+    int64 sort key where it fits, else a lexsort."""
     file_base = np.concatenate(([0], np.cumsum([f.size for f in layout.files], dtype=np.int64)))
     position = file_base[file] + start
     span = int(file_base[-1]) + 1
-    if len(rows) and (int(rank.max()) + 1) * span < 2**62:
+    if len(rank) and (int(rank.max()) + 1) * span < 2**62:
         sort_key = rank.astype(np.int64) * span + position
-        # A rank lists its keys as the layout orders them (DCP keeps state-dict order): usually sorted already.
-        order = None if (sort_key[1:] >= sort_key[:-1]).all() else np.argsort(sort_key, kind="stable")
-    else:
-        order = np.lexsort((position, rank))
-    if order is not None:
-        rank, key, file, start, nbytes = rank[order], key[order], file[order], start[order], nbytes[order]
-        offsets, sizes = np.take(offsets, order, axis=0), np.take(sizes, order, axis=0)
-    staged = staged_offsets(rank, file, nbytes)
-    rank, key, file = rank.astype(np.int32, copy=False), key.astype(np.int32, copy=False), file.astype(np.int32)
-    if offsets.dtype != np.int32 and (not len(offsets) or int((offsets + sizes).max()) < 2**31):  # all >= 0 here
-        offsets, sizes = offsets.astype(np.int32), sizes.astype(np.int32)
-    names = tuple(spec.key for spec in g.specs)
-    return PlacedChunks(names, rank, key, file, start, nbytes, offsets, sizes, staged, shape, itemsize, tensor_start, file_of, ndim)
+        # A rank lists its keys as the layout orders them (DCP keeps state-dict order): usually
+        # sorted already.
+        if (sort_key[1:] >= sort_key[:-1]).all():
+            return None
+        return np.argsort(sort_key, kind="stable")
+    return np.lexsort((position, rank))
 
 
 def place_items(layout: Layout, plans: Sequence[SavePlan]) -> PlacedChunks:
     """(coordinator) The same from each rank's write items, all of which are written (as a
     save's rank records list them, when an interrupted save is finished)."""
     g = gather([encode_local(plan.items) for plan in plans])
-    return place_chunks(g, Dedup(np.empty(0, dtype=np.int64), np.zeros(len(plans), dtype=np.int64)), layout)
+    return place_chunks(
+        g, Dedup(np.empty(0, dtype=np.int64), np.zeros(len(plans), dtype=np.int64)), layout
+    )
 
 
 def key_strides(shape: np.ndarray, ndim: np.ndarray) -> np.ndarray:

@@ -22,33 +22,34 @@ from .packed import PackedTuple
 from .spread import GatherTasks, MergeTask
 
 __all__ = [
+    "FINISHED",
+    "PACKED",
+    "Finished",
     "RankPlan",
     "Written",
     "WrittenRows",
-    "Finished",
-    "PACKED",
-    "FINISHED",
-    "rank_plans",
-    "meets",
     "check_savable",
-    "compact_plans",
-    "unpack_table",
-    "pack_results",
     "combine_checksums",
+    "compact_plans",
+    "meets",
+    "pack_results",
+    "rank_plans",
+    "unpack_table",
 ]
 
 
 @dataclass(frozen=True)
 class RankPlan:
-    """``SavePlan.storage_data`` the coordinator sends each rank: the part of the layout it writes."""
+    """``SavePlan.storage_data`` the coordinator sends each rank: the part of the layout it
+    writes."""
 
     rank: int
     save_id: str
-    direct: bool
+    positioned: bool  # the store writes into the final files in place (local disk)
     files: tuple[str, ...]
     placements: Mapping[MetadataIndex, Placement]
     # What the save's store needs this rank to know besides (S3: its own parts and the uploads
-    # it sends parts to, ``plan/s3plan.py``'s ``S3RankPlan``); ``None`` for the other stores.
+    # it sends parts to, ``plan/partplan.py``'s ``PartsRankPlan``); ``None`` for the other stores.
     store: Any = None
     # Where each row of the rank's key table goes, which the rank turns into ``placements`` for
     # the write items it kept (``plan/compact.py``); set by every save.
@@ -68,19 +69,24 @@ class Written:
     file: int
     staged_offset: int | None
     crc: int
-    parts: tuple[dict[str, Any], ...] = ()  # S3: ETags of this rank's parts of the file (its last item)
-    direct: int = 0  # local disk: bytes written with O_DIRECT
+    parts: tuple[
+        dict[str, Any], ...
+    ] = ()  # S3: ETags of this rank's parts of the file (its last item)
+    direct_io_bytes: int = 0  # local disk: bytes written with O_DIRECT
 
 
 @dataclass(frozen=True)
 class WrittenRows:
     """Compact plans: a rank's one ``WriteResult.storage_data`` for all its items: the key-table
-    row and CRC32 share of each item it wrote (what ``finish`` needs; the rest stays in its record)."""
+    row and CRC32 share of each item it wrote (what ``finish`` needs; the rest stays in its
+    record)."""
 
     rows: Any  # np.ndarray int64
     crcs: Any  # np.ndarray uint32
-    parts: Mapping[int, tuple[dict[str, Any], ...]] = dataclasses.field(default_factory=dict)  # S3: file -> ETags of this rank's parts
-    direct: int = 0  # local disk: bytes written with O_DIRECT
+    parts: Mapping[int, tuple[dict[str, Any], ...]] = dataclasses.field(
+        default_factory=dict
+    )  # S3: file -> ETags of this rank's parts
+    direct_io_bytes: int = 0  # local disk: bytes written with O_DIRECT
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,9 @@ def check_savable(items: Sequence[WriteItem]) -> None:
     not_tensors = [item.index.fqn for item in items if item.type == WriteItemType.BYTE_IO]
     if not_tensors:
         raise ValueError(
-            f"safetensors holds only tensors, but these state-dict values are not tensors: "
-            f"{sorted(set(not_tensors))}. Save them separately (e.g. as JSON) or wrap numbers in torch.tensor()."
+            "safetensors holds only tensors, but these state-dict values are not tensors: "
+            f"{sorted(set(not_tensors))}. Save them separately (e.g. as JSON) or wrap numbers in "
+            "torch.tensor()."
         )
     for item in items:
         assert item.tensor_data is not None  # every non-BYTE_IO item carries tensor data
@@ -127,14 +134,16 @@ def compact_plans(plans: Sequence[SavePlan]) -> list[LocalChunks]:
     stale = [rank for rank, p in enumerate(plans) if not p.usable]
     if stale:
         raise ValueError(
-            f"ranks {stale[:8]} sent a cached plan (DefaultSavePlanner(enable_plan_caching=True)); "
-            f"HFStorageWriter plans every save afresh. Use a planner without enable_plan_caching"
+            f"ranks {stale[:8]} sent a cached plan "
+            "(DefaultSavePlanner(enable_plan_caching=True)); HFStorageWriter plans every save "
+            "afresh. Use a planner without enable_plan_caching"
         )
     compact = [p.storage_data for p in plans if isinstance(p.storage_data, LocalChunks)]
     if len(compact) != len(plans):
         raise RuntimeError(
-            f"{len(plans) - len(compact)} of {len(plans)} ranks sent no compact plan: HFStorageWriter.prepare_local_plan "
-            f"must be the last step of every rank's local planning (a planner that replaces SavePlan.storage_data breaks it)"
+            f"{len(plans) - len(compact)} of {len(plans)} ranks sent no compact plan: "
+            "HFStorageWriter.prepare_local_plan must be the last step of every rank's local "
+            "planning (a planner that replaces SavePlan.storage_data breaks it)"
         )
     return compact
 
@@ -143,7 +152,7 @@ def rank_plans(
     plans: list[SavePlan],
     layout: Layout,
     save_id: str,
-    direct: bool,
+    positioned: bool,
     placements: list[dict[MetadataIndex, Placement]],
     tables: list[TablePlan] | None = None,
     tasks: Sequence[GatherTasks] | Sequence[Sequence[MergeTask]] | None = None,
@@ -152,13 +161,18 @@ def rank_plans(
     """(coordinator) Every rank's final plan: its ``RankPlan`` (placements or table plan, its
     finishing tasks, and what the store planned for it, ``store_data[rank]``)."""
     meet = meets(tasks)
-    out, names = [], PackedTuple(layout.names)  # in every plan: pickled as one blob, not a string per file
+    out, names = (
+        [],
+        PackedTuple(layout.names),
+    )  # in every plan: pickled as one blob, not a string per file
     for rank, (plan, placed) in enumerate(zip(plans, placements, strict=True)):
         mine = tasks[rank] if tasks is not None else ()
         mine_tasks = mine if isinstance(mine, GatherTasks) else tuple(mine)
         table = tables[rank] if tables is not None else None
         data = store_data[rank] if store_data is not None else None
-        rank_plan = RankPlan(rank, save_id, direct, names, placed, data, table, mine_tasks, len(plans), meet)
+        rank_plan = RankPlan(
+            rank, save_id, positioned, names, placed, data, table, mine_tasks, len(plans), meet
+        )
         out.append(dataclasses.replace(plan, storage_data=rank_plan))
     return out
 
@@ -169,7 +183,9 @@ def meets(tasks: Sequence[Any] | None) -> bool:
     return tasks is not None and len(tasks) > 1 and any(tasks)
 
 
-def unpack_table(all_items: list[WriteItem], local: LocalChunks, rank_plan: RankPlan) -> tuple[list[WriteItem], RankPlan]:
+def unpack_table(
+    all_items: list[WriteItem], local: LocalChunks, rank_plan: RankPlan
+) -> tuple[list[WriteItem], RankPlan]:
     """(each rank) The write items this rank kept of ``all_items`` (its ``local`` chunks), and
     its plan with their placements, from the table plan the coordinator sent back."""
     table = rank_plan.table
@@ -185,17 +201,29 @@ def unpack_table(all_items: list[WriteItem], local: LocalChunks, rank_plan: Rank
     return items, dataclasses.replace(rank_plan, placements=placements)
 
 
-def pack_results(all_items: list[WriteItem], local: LocalChunks, results: list[WriteResult]) -> WriteResult:
+def pack_results(
+    all_items: list[WriteItem], local: LocalChunks, results: list[WriteResult]
+) -> WriteResult:
     """(each rank, compact plans) One result for all items: their table rows and CRC shares."""
     position = {item.index: i for i, item in enumerate(all_items)}
-    rows = local.rows[[position[r.index] for r in results], 0] if results else np.empty(0, dtype=np.int64)
+    rows = (
+        local.rows[[position[r.index] for r in results], 0]
+        if results
+        else np.empty(0, dtype=np.int64)
+    )
     crcs = np.array([r.storage_data.crc for r in results], dtype=np.uint32)
     parts = {r.storage_data.file: r.storage_data.parts for r in results if r.storage_data.parts}
-    direct = sum(r.storage_data.direct for r in results)
-    return WriteResult(PACKED, sum(r.size_in_bytes for r in results), WrittenRows(rows, crcs, parts, direct))
+    direct_io_bytes = sum(r.storage_data.direct_io_bytes for r in results)
+    return WriteResult(
+        PACKED,
+        sum(r.size_in_bytes for r in results),
+        WrittenRows(rows, crcs, parts, direct_io_bytes),
+    )
 
 
-def combine_checksums(layout: Layout, results: list[list[WriteResult]], tables: tuple[list[Any], Any] | None) -> dict[str, int]:
+def combine_checksums(
+    layout: Layout, results: list[list[WriteResult]], tables: tuple[list[Any], Any] | None
+) -> dict[str, int]:
     """(coordinator) Each key's CRC32: the XOR of the shares every rank reported for it
     (``tables``: the key tables of compact plans, ``None`` for results rebuilt from records)."""
     if results and results[0] and isinstance(results[0][0].storage_data, WrittenRows):
@@ -203,7 +231,9 @@ def combine_checksums(layout: Layout, results: list[list[WriteResult]], tables: 
         keys, table_of_rank = tables
         specs = list(layout.specs)  # in key-table order: the layout was planned from it
         shares = [(rs[0].storage_data.rows, rs[0].storage_data.crcs) for rs in results]
-        return dict(zip(specs, xor_shares(keys, table_of_rank, shares, len(specs)).tolist(), strict=True))
+        return dict(
+            zip(specs, xor_shares(keys, table_of_rank, shares, len(specs)).tolist(), strict=True)
+        )
     checksums = dict.fromkeys(layout.weight_map, 0)
     for rank_results in results:
         for r in rank_results:

@@ -28,7 +28,19 @@ from .placed import PlacedChunks
 # ``map_fn(fn, items) -> [fn(x) for x in items]``, in any order of work (a thread pool, say).
 MapFn = Callable[[Callable[[int], Any], list[int]], list[Any]]
 
-__all__ = ["MapFn", "GatherTask", "GatherTasks", "MergeTask", "Source", "assign", "pack_columns", "unpack_columns", "merge_tasks", "plan_merges", "file_tensors"]
+__all__ = [
+    "GatherTask",
+    "GatherTasks",
+    "MapFn",
+    "MergeTask",
+    "Source",
+    "assign",
+    "file_tensors",
+    "merge_tasks",
+    "pack_columns",
+    "plan_merges",
+    "unpack_columns",
+]
 
 # One piece of a gathered part, in file order: literal bytes (the file's header, which the
 # coordinator knows), or ``(rank, offset, nbytes)``: a range of that rank's staged object.
@@ -79,18 +91,28 @@ class GatherTask:
             for rank, t, staged, *dims in rows.tolist():
                 tensor_start, shape, itemsize = self.tensors[t]
                 nd = len(shape)
-                t_off, c_off, run = chunk_runs_array(shape, dims[:nd], dims[self.width : self.width + nd], itemsize)
+                t_off, c_off, run = chunk_runs_array(
+                    shape, dims[:nd], dims[self.width : self.width + nd], itemsize
+                )
                 at = tensor_start + t_off
                 keep = (at < hi) & (at + run > lo)
                 at, c_off = at[keep], c_off[keep]
                 cut = np.maximum(lo - at, 0)  # a run that starts before the part
                 n = np.minimum(at + run, hi) - at - cut
-                cols.append(np.stack((at + cut, np.full(len(at), rank), staged + c_off + cut, n), axis=1))
+                cols.append(
+                    np.stack((at + cut, np.full(len(at), rank), staged + c_off + cut, n), axis=1)
+                )
         ranges = np.concatenate(cols) if cols else np.empty((0, 4), dtype=np.int64)
         ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
         ends = ranges[:, 0] + ranges[:, 3]
-        if (len(ranges) == 0 and lo != hi) or (len(ranges) and (ranges[0, 0] != lo or ends[-1] != hi or (ranges[1:, 0] != ends[:-1]).any())):
-            raise RuntimeError(f"part {self.number} of file {self.file}: the staged ranges do not cover bytes {lo}..{hi} exactly; the plan is inconsistent")
+        if (len(ranges) == 0 and lo != hi) or (
+            len(ranges)
+            and (ranges[0, 0] != lo or ends[-1] != hi or (ranges[1:, 0] != ends[:-1]).any())
+        ):
+            raise RuntimeError(
+                f"part {self.number} of file {self.file}: the staged ranges do not cover bytes "
+                f"{lo}..{hi} exactly; the plan is inconsistent"
+            )
         out: list[Source] = [self.head] if self.head else []
         out.extend((r, s, n) for _, r, s, n in ranges.tolist())
         return out
@@ -98,7 +120,7 @@ class GatherTask:
 
 @dataclass(frozen=True)
 class GatherTasks:
-    """(S3) One rank's gathered parts, as arrays (``plan/s3plan.py`` builds every rank's share at
+    """(S3) One rank's gathered parts, as arrays (``plan/partplan.py`` builds every rank's share at
     once). Iterating gives a :class:`GatherTask` per part, which the rank then carries out.
 
     Part ``i`` is ``parts[i] = (file, number, start, end)``; its staged pieces are rows
@@ -124,7 +146,10 @@ class GatherTasks:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Raw bytes for the arrays: numpy pickles each with its dtype object, about 10 µs an
         # array, and the coordinator sends thousands of these.
-        arrays = tuple((a.dtype.str, a.shape, a.tobytes()) for a in (self.parts, self.piece_at, self.pieces, self.strided_at, self.strided))
+        arrays = tuple(
+            (a.dtype.str, a.shape, a.tobytes())
+            for a in (self.parts, self.piece_at, self.pieces, self.strided_at, self.strided)
+        )
         return _tasks_from, (arrays, dict(self.heads), dict(self.tensors), self.width)
 
     def __iter__(self) -> Iterator[GatherTask]:
@@ -133,13 +158,31 @@ class GatherTasks:
     def task(self, i: int) -> GatherTask:
         """Part ``i`` as a :class:`GatherTask`."""
         f, number, start, end = self.parts[i].tolist()
-        pa, pb, ca, cb = int(self.piece_at[i]), int(self.piece_at[i + 1]), int(self.strided_at[i]), int(self.strided_at[i + 1])
-        strided = (self.strided[ca:cb].astype(np.int64).tobytes(), self.tensors[f], self.width) if cb > ca else (b"", (), 0)
-        return GatherTask(f, number, start, end, self.heads.get(i, b""), self.pieces[pa:pb].tobytes(), *strided)
+        pa, pb, ca, cb = (
+            int(self.piece_at[i]),
+            int(self.piece_at[i + 1]),
+            int(self.strided_at[i]),
+            int(self.strided_at[i + 1]),
+        )
+        strided = (
+            (self.strided[ca:cb].astype(np.int64).tobytes(), self.tensors[f], self.width)
+            if cb > ca
+            else (b"", (), 0)
+        )
+        return GatherTask(
+            f, number, start, end, self.heads.get(i, b""), self.pieces[pa:pb].tobytes(), *strided
+        )
 
 
-def _tasks_from(arrays: tuple[tuple[str, tuple[int, ...], bytes], ...], heads: dict[int, bytes], tensors: dict[int, Any], width: int) -> GatherTasks:
-    parts, piece_at, pieces, strided_at, strided = (np.frombuffer(data, dtype=np.dtype(dt)).reshape(shape) for dt, shape, data in arrays)
+def _tasks_from(
+    arrays: tuple[tuple[str, tuple[int, ...], bytes], ...],
+    heads: dict[int, bytes],
+    tensors: dict[int, Any],
+    width: int,
+) -> GatherTasks:
+    parts, piece_at, pieces, strided_at, strided = (
+        np.frombuffer(data, dtype=np.dtype(dt)).reshape(shape) for dt, shape, data in arrays
+    )
     return GatherTasks(parts, piece_at, pieces, strided_at, strided, heads, tensors, width)
 
 
@@ -160,13 +203,21 @@ class MergeTask:
 
     def pieces(self, staged_path: Callable[[int], str]) -> list[StagedPiece]:
         """The chunks as ``StagedPiece``s of the ranks' staged objects (``staged_path(rank)``)."""
-        rows = np.stack(unpack_columns(self.chunks), axis=1) if self.chunks else np.empty((0, 3 + 2 * self.width), dtype=np.int64)
+        rows = (
+            np.stack(unpack_columns(self.chunks), axis=1)
+            if self.chunks
+            else np.empty((0, 3 + 2 * self.width), dtype=np.int64)
+        )
         out = []
         for rank, t, staged_offset, *dims in rows.tolist():
             start, shape, itemsize = self.tensors[t]
             nd = len(shape)
             offsets, sizes = tuple(dims[:nd]), tuple(dims[self.width : self.width + nd])
-            out.append(StagedPiece(staged_path(rank), start, staged_offset, shape, offsets, sizes, itemsize))
+            out.append(
+                StagedPiece(
+                    staged_path(rank), start, staged_offset, shape, offsets, sizes, itemsize
+                )
+            )
         return out
 
 
@@ -175,8 +226,8 @@ def pack_columns(columns: Sequence[np.ndarray]) -> bytes:
     where its values fit (most do: ranks, dims), else int64; zlib over the whole. Column-major
     regular numbers compress several-fold."""
     codes, body = bytearray(), []
-    for c in columns:
-        c = np.asarray(c, dtype=np.int64)
+    for column in columns:
+        c = np.asarray(column, dtype=np.int64)
         small = len(c) == 0 or (int(c.min()) >= -(2**31) and int(c.max()) < 2**31)
         codes.append(4 if small else 8)
         body.append(c.astype(np.int32 if small else np.int64).tobytes())
@@ -190,26 +241,44 @@ def unpack_columns(data: bytes) -> list[np.ndarray]:
     rows = len(payload) // max(1, sum(codes))
     out, pos = [], 0
     for code in codes:
-        out.append(np.frombuffer(payload, dtype=np.int32 if code == 4 else np.int64, count=rows, offset=pos).astype(np.int64))
+        out.append(
+            np.frombuffer(
+                payload, dtype=np.int32 if code == 4 else np.int64, count=rows, offset=pos
+            ).astype(np.int64)
+        )
         pos += rows * code
     return out
 
 
-def merge_tasks(placed: PlacedChunks, layout: Layout, map_fn: MapFn | None = None) -> list[MergeTask]:
+def merge_tasks(
+    placed: PlacedChunks, layout: Layout, map_fn: MapFn | None = None
+) -> list[MergeTask]:
     """(coordinator, stores without positioned writes) One task per file of ``layout``: its
     chunks, each fully staged by its rank (``placed.staged``). Pure; numpy over the chunks, and
     each file's columns packed through ``map_fn(fn, files)`` (default in order; the writer
     passes its thread pool: numpy's copies and zlib let go of the GIL, and at 405B over 8,192
     ranks the packing is 0.7 s of zlib)."""
-    by_file = np.argsort(placed.file.astype(np.int16 if len(layout.files) < 2**15 else np.int64), kind="stable")
+    by_file = np.argsort(
+        placed.file.astype(np.int16 if len(layout.files) < 2**15 else np.int64), kind="stable"
+    )
     files = placed.file[by_file]
-    bounds = np.searchsorted(files, np.arange(len(layout.files) + 1, dtype=files.dtype))  # same dtype: no int64 copy
+    bounds = np.searchsorted(
+        files, np.arange(len(layout.files) + 1, dtype=files.dtype)
+    )  # same dtype: no int64 copy
     in_file, tensors = file_tensors(layout, placed.key_names)
 
     def task(f: int) -> MergeTask:
         rows = by_file[bounds[f] : bounds[f + 1]]
         offsets, sizes = np.take(placed.offsets, rows, axis=0), np.take(placed.sizes, rows, axis=0)
-        chunks = pack_columns([placed.rank[rows], in_file[placed.key[rows]], placed.staged[rows], *offsets.T, *sizes.T])
+        chunks = pack_columns(
+            [
+                placed.rank[rows],
+                in_file[placed.key[rows]],
+                placed.staged[rows],
+                *offsets.T,
+                *sizes.T,
+            ]
+        )
         plan = layout.files[f]
         return MergeTask(f, plan.header, plan.size, tensors[f], chunks, placed.offsets.shape[1])
 
@@ -217,18 +286,26 @@ def merge_tasks(placed: PlacedChunks, layout: Layout, map_fn: MapFn | None = Non
     return map_fn(task, files_) if map_fn is not None else [task(f) for f in files_]
 
 
-def plan_merges(placed: PlacedChunks, layout: Layout, world: int, map_fn: MapFn | None = None) -> list[list[MergeTask]]:
+def plan_merges(
+    placed: PlacedChunks, layout: Layout, world: int, map_fn: MapFn | None = None
+) -> list[list[MergeTask]]:
     """(coordinator, stores without positioned writes) Each rank's files to merge: one task per
     file (``merge_tasks``), given to the rank with the fewest bytes so far, counting each rank's
     own bytes (``assign``). Pure."""
     merges = merge_tasks(placed, layout, map_fn)
     out: list[list[MergeTask]] = [[] for _ in range(world)]
-    for task, rank in zip(merges, assign([t.nbytes for t in merges], placed.bytes_per_rank(world).tolist()), strict=True):
+    for task, rank in zip(
+        merges,
+        assign([t.nbytes for t in merges], placed.bytes_per_rank(world).tolist()),
+        strict=True,
+    ):
         out[rank].append(task)
     return out
 
 
-def file_tensors(layout: Layout, key_names: Sequence[str]) -> tuple[np.ndarray, list[tuple[tuple[int, tuple[int, ...], int], ...]]]:
+def file_tensors(
+    layout: Layout, key_names: Sequence[str]
+) -> tuple[np.ndarray, list[tuple[tuple[int, tuple[int, ...], int], ...]]]:
     """Each key's index among its file's tensors (keys as ``key_names`` orders them), and each
     file's ``(tensor_start, shape, itemsize)`` per tensor: the ``tensors`` of its tasks."""
     index = {k: i for i, k in enumerate(key_names)}
@@ -239,7 +316,9 @@ def file_tensors(layout: Layout, key_names: Sequence[str]) -> tuple[np.ndarray, 
         for t, e in enumerate(plan.entries):
             spec = layout.specs[e.name]
             in_file[index[e.name]] = t
-            entries.append((layout.tensor_start[e.name], tuple(spec.shape), element_size(spec.dtype)))
+            entries.append(
+                (layout.tensor_start[e.name], tuple(spec.shape), element_size(spec.dtype))
+            )
         tensors.append(tuple(entries))
     return in_file, tensors
 

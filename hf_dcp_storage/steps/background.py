@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..writer import HFStorageWriter
@@ -49,23 +49,38 @@ class BackgroundSaves:
         self._stagers: tuple[DefaultStager | None, DefaultStager | None] | None = None
 
     def start(
-        self, step: int, model: Mapping[str, Any], tensors: dict[str, torch.Tensor], model_writer: HFStorageWriter,
-        state_writer: HFStorageWriter | None, commit: Callable[[], None],
+        self,
+        step: int,
+        model: Mapping[str, Any],
+        tensors: dict[str, torch.Tensor],
+        model_writer: HFStorageWriter,
+        state_writer: HFStorageWriter | None,
+        commit: Callable[[], None],
     ) -> Reported[int]:
         """(all ranks) Stage both state dicts now and save them in the background; ``commit``
         runs once both saves returned (on rank 0 that is after every rank's bytes). Returns a
         future of ``step``, done after the commit."""
         groups = self._process_groups()
         stagers, owned = self._stagers_for_this_save()
-        kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
-        first = _uploaded(dcp.async_save(dict(model), storage_writer=model_writer, process_group=groups[0], async_stager=stagers[0], async_checkpointer_type=kind))
-        second: Callable[[], Future[Any]] | None = None
-        if state_writer is not None and self.mode == "process":
-            staged = (stagers[1] or _stager(shared=True)).stage(tensors)  # the snapshot, taken now
-            second = lambda: _uploaded(dcp.async_save(staged, storage_writer=state_writer, process_group=groups[1], async_stager=_Staged(), async_checkpointer_type=kind))  # noqa: E731
-        elif state_writer is not None:
-            fut = _uploaded(dcp.async_save(tensors, storage_writer=state_writer, process_group=groups[1], async_stager=stagers[1]))
-            second = lambda: fut  # noqa: E731
+        kind = (
+            AsyncCheckpointerType.PROCESS
+            if self.mode == "process"
+            else AsyncCheckpointerType.THREAD
+        )
+        first = _uploaded(
+            dcp.async_save(
+                dict(model),
+                storage_writer=model_writer,
+                process_group=groups[0],
+                async_stager=stagers[0],
+                async_checkpointer_type=kind,
+            )
+        )
+        second = (
+            None
+            if state_writer is None
+            else self._state_save(tensors, state_writer, groups[1], stagers[1], kind)
+        )
         done: Reported[int] = Reported()
 
         def finish() -> None:
@@ -86,7 +101,41 @@ class BackgroundSaves:
         threading.Thread(target=finish, name=f"hf-dcp-commit-step-{step}").start()
         return done
 
-    def _stagers_for_this_save(self) -> tuple[tuple[DefaultStager | None, DefaultStager | None], list[DefaultStager]]:
+    def _state_save(
+        self,
+        tensors: dict[str, torch.Tensor],
+        writer: HFStorageWriter,
+        group: Any,
+        stager: DefaultStager | None,
+        kind: AsyncCheckpointerType,
+    ) -> Callable[[], Future[Any]]:
+        """The training state's save, as a call that returns its future: in a process, the
+        call starts it (``start``'s commit thread makes it once the model's save is done), from
+        tensors staged now; with threads it is started now and the call hands it on."""
+        if self.mode == "process":
+            staged = (stager or _stager(shared=True)).stage(tensors)  # the snapshot, taken now
+            assert isinstance(staged, dict)  # use_async_staging=False: staged in this thread
+
+            def start() -> Future[Any]:
+                return _uploaded(
+                    dcp.async_save(
+                        staged,
+                        storage_writer=writer,
+                        process_group=group,
+                        async_stager=_Staged(),
+                        async_checkpointer_type=kind,
+                    )
+                )
+
+            return start
+        started = _uploaded(
+            dcp.async_save(tensors, storage_writer=writer, process_group=group, async_stager=stager)
+        )
+        return lambda: started
+
+    def _stagers_for_this_save(
+        self,
+    ) -> tuple[tuple[DefaultStager | None, DefaultStager | None], list[DefaultStager]]:
         """The stagers of a save, and those to close after it. Threads: DCP's default (a fresh
         copy, ``None``) or the kept ones. A process: staging into shared memory, so the copy
         reaches the background process without another (kept ones, or fresh ones per save)."""
@@ -146,15 +195,22 @@ def _stager(shared: bool) -> DefaultStager:
     """A stager that copies in the caller's thread: into pinned memory when CUDA is present,
     into shared memory when the save runs in another process."""
     cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared, use_async_staging=False, use_non_blocking_copy=cuda))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=shared,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
 
 
-class _Staged:
+class _Staged(AsyncStager):
     """An ``AsyncStager`` for a state dict staged already: hands it on as it is."""
 
-    should_synchronize_after_execute = False
+    _synchronize_after_execute = False
 
-    def stage(self, state_dict: Any) -> Any:
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return state_dict
 
     def synchronize_staging(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..io import fsio
@@ -37,7 +38,18 @@ from .retention import COMMIT_MARKER
 from .runs import remove_folder
 from .trainstate import capture_rng, join, restore_rng, split
 
-__all__ = ["TRAINING_STATE_DIR", "locate", "rank_file", "prepare", "clear", "write_rank_state", "writers", "commit", "load", "is_complete"]
+__all__ = [
+    "TRAINING_STATE_DIR",
+    "clear",
+    "commit",
+    "is_complete",
+    "load",
+    "locate",
+    "prepare",
+    "rank_file",
+    "write_rank_state",
+    "writers",
+]
 
 TRAINING_STATE_DIR = "training_state"
 
@@ -52,7 +64,9 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def prepare(control: Control, step: int, training_state: Mapping[str, Any] | None) -> tuple[dict[str, torch.Tensor], bytes]:
+def prepare(
+    control: Control, step: int, training_state: Mapping[str, Any] | None
+) -> tuple[dict[str, torch.Tensor], bytes]:
     """(all ranks) ``(tensors, this rank's JSON file)`` of a training state, with its RNG states.
 
     Everything that can be refused is checked before the first byte is written, and every rank
@@ -67,7 +81,10 @@ def prepare(control: Control, step: int, training_state: Mapping[str, Any] | Non
     tensors: dict[str, torch.Tensor] = {}
     tree: dict[str, Any] = {}
     try:
-        values = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in (training_state or {}).items()}
+        values = {
+            k: v.state_dict() if isinstance(v, Stateful) else v
+            for k, v in (training_state or {}).items()
+        }
         tensors, tree = split(values)
     except TypeError as exc:
         problem = str(exc)
@@ -76,7 +93,10 @@ def prepare(control: Control, step: int, training_state: Mapping[str, Any] | Non
     if problems:
         raise TypeError("; ".join(problems))
     if len({s for s, _ in reports}) > 1:
-        raise ValueError(f"ranks save different steps {[s for s, _ in reports]}; all ranks must save the same step")
+        raise ValueError(
+            f"ranks save different steps {[s for s, _ in reports]}; all ranks must save the same "
+            "step"
+        )
     return tensors, json.dumps({"values": tree, "rng": capture_rng()}, allow_nan=False).encode()
 
 
@@ -100,17 +120,24 @@ def write_rank_state(fs: AbstractFileSystem, folder: str, rank: int, payload: by
     fsio.write_atomic(fs, fsio.join(state_folder, rank_file(rank)), payload)
 
 
-def writers(fs: AbstractFileSystem, folder: str, has_tensors: bool, options: Mapping[str, Any]) -> tuple[HFStorageWriter, HFStorageWriter | None]:
+def writers(
+    fs: AbstractFileSystem, folder: str, has_tensors: bool, options: Mapping[str, Any]
+) -> tuple[HFStorageWriter, HFStorageWriter | None]:
     """``(weights' writer, training state's writer or None)`` for a save into ``folder``;
     ``options`` go to ``HFStorageWriter``."""
     # Writers and readers take URLs: a bare path of a remote store would mean local disk.
     model_writer = HFStorageWriter(fsio.url_of(fs, folder), **options)
-    state_writer = HFStorageWriter(fsio.url_of(fs, fsio.join(folder, TRAINING_STATE_DIR)), **options) if has_tensors else None
+    state_writer = (
+        HFStorageWriter(fsio.url_of(fs, fsio.join(folder, TRAINING_STATE_DIR)), **options)
+        if has_tensors
+        else None
+    )
     return model_writer, state_writer
 
 
 def commit(fs: AbstractFileSystem, folder: str, step: int, world_size: int) -> None:
-    """(rank 0, after every rank's saves returned) Write the commit marker: the folder is complete."""
+    """(rank 0, after every rank's saves returned) Write the commit marker: the folder is
+    complete."""
     marker = {"step": step, "world_size": world_size, "saved_at": time.time(), "format": 1}
     fsio.write_atomic(fs, fsio.join(folder, COMMIT_MARKER), json.dumps(marker).encode())
 
@@ -145,24 +172,40 @@ def load(
         return
     marker = json.loads(fsio.read_all(fs, fsio.join(folder, COMMIT_MARKER)))
     state_folder = fsio.join(folder, TRAINING_STATE_DIR)
-    saved = json.loads(fsio.read_all(fs, fsio.join(state_folder, rank_file(rank % marker["world_size"]))))
+    saved = json.loads(
+        fsio.read_all(fs, fsio.join(state_folder, rank_file(rank % marker["world_size"])))
+    )
     _load_training_state(training_state, saved["values"], fsio.url_of(fs, state_folder), reader_io)
     restore_rng(saved["rng"])
 
 
-def _load_training_state(training_state: MutableMapping[str, Any], tree: dict[str, Any], folder: str, reader_io: Mapping[str, Any]) -> None:
+def _load_training_state(
+    training_state: MutableMapping[str, Any],
+    tree: dict[str, Any],
+    folder: str,
+    reader_io: Mapping[str, Any],
+) -> None:
     missing = [k for k in training_state if k not in tree]
     if missing:
-        raise KeyError(f"training state {missing} is not in the checkpoint, which holds {sorted(tree)}")
-    current, _ = split({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in training_state.items()})
+        raise KeyError(
+            f"training state {missing} is not in the checkpoint, which holds {sorted(tree)}"
+        )
+    current, _ = split(
+        {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in training_state.items()}
+    )
     wanted = _tensor_keys({k: tree[k] for k in training_state})
     dest: dict[str, torch.Tensor] = {}
     if wanted:
         meta = HFStorageReader(folder, **reader_io).read_metadata().state_dict_metadata
         for key in wanted:
+            if key in current:
+                dest[key] = current[key]
+                continue
             # A destination this process does not have yet (e.g. optimizer state before the
             # first step) is loaded whole, as a plain tensor.
-            dest[key] = current[key] if key in current else torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
+            md = meta[key]
+            assert isinstance(md, TensorStorageMetadata)  # an HF checkpoint holds tensors only
+            dest[key] = torch.empty(md.size, dtype=md.properties.dtype)
         dcp.load(dest, storage_reader=HFStorageReader(folder, **reader_io))
     for key, obj in training_state.items():
         value = join(tree[key], dest)

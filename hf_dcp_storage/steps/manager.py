@@ -2,11 +2,12 @@
 
 Layout of a run folder::
 
-    root/step_{N}/model-0000k-of-0000M.safetensors   the weights: a consolidated HF checkpoint
-    root/step_{N}/model.safetensors.index.json       (loadable by transformers as it is)
-    root/step_{N}/training_state/                     optimizer tensors etc. (HF safetensors, resharded
-                                                      on load) and one JSON per rank (other values, RNG)
-    root/step_{N}/COMMITTED                           written last: the step is complete
+    root/step_{N}/model-0000k-of-0000M.safetensors  the weights: a consolidated HF checkpoint
+    root/step_{N}/model.safetensors.index.json      (loadable by transformers as it is)
+    root/step_{N}/training_state/                   optimizer tensors etc. (HF safetensors,
+                                                    resharded on load) and one JSON per rank
+                                                    (other values, RNG)
+    root/step_{N}/COMMITTED                         written last: the step is complete
 
 Call sequence: every rank constructs the manager with the same arguments and calls ``save`` /
 ``load`` / ``prune`` / ``latest`` / ``all_checkpoints`` at the same points (they use collectives
@@ -40,7 +41,7 @@ from .folder import TRAINING_STATE_DIR
 from .retention import COMMIT_MARKER, RetentionPolicy, step_name, to_remove
 from .runs import remove_step, step_status
 
-__all__ = ["CheckpointManager", "TRAINING_STATE_DIR"]
+__all__ = ["TRAINING_STATE_DIR", "CheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +90,21 @@ class CheckpointManager:
         direct_io: bool | None = None,
     ) -> None:
         if async_mode not in ASYNC_MODES:
-            raise ValueError(f"async_mode={async_mode!r} must be 'thread' (a thread of this process) or 'process' (DCP's background process of each rank)")
+            raise ValueError(
+                f"async_mode={async_mode!r} must be 'thread' (a thread of this process) or "
+                "'process' (DCP's background process of each rank)"
+            )
         self.policy = RetentionPolicy(keep_last_n, keep_every)
         self.storage_options = storage_options
         self.fs, self.root = fsio.resolve(root, storage_options)
         self.url = fsio.url_of(self.fs, self.root)
         # What writers and readers alike take.
-        self._io = {"storage_options": storage_options, "thread_count": thread_count, "retry": retry, "direct_io": check_direct_io(direct_io)}
+        self._io = {
+            "storage_options": storage_options,
+            "thread_count": thread_count,
+            "retry": retry,
+            "direct_io": check_direct_io(direct_io),
+        }
         self.max_shard_size = max_shard_size
         self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
@@ -132,7 +141,9 @@ class CheckpointManager:
 
     def all_checkpoints(self) -> list[int]:
         """(all ranks) Complete steps, ascending."""
-        return self._broadcast(sorted(s for s, done in self._list_steps().items() if done) if self._rank == 0 else None)
+        return self._broadcast(
+            sorted(s for s, done in self._list_steps().items() if done) if self._rank == 0 else None
+        )
 
     def latest(self) -> int | None:
         """(all ranks) The newest complete step, or ``None``."""
@@ -172,7 +183,11 @@ class CheckpointManager:
         self._barrier()  # the folder is clear before anyone writes into it
 
         step_folder.write_rank_state(self.fs, folder, self._rank, payload)
-        options = {"max_shard_size": self.max_shard_size, "rank_timeout": self.rank_timeout, **self._io}
+        options = {
+            "max_shard_size": self.max_shard_size,
+            "rank_timeout": self.rank_timeout,
+            **self._io,
+        }
         model_writer, state_writer = step_folder.writers(self.fs, folder, bool(tensors), options)
         if not async_save:
             dcp.save(dict(model_state_dict), storage_writer=model_writer)
@@ -197,7 +212,14 @@ class CheckpointManager:
             finally:
                 self._in_flight = None
 
-    def _save_async(self, step: int, model_state_dict: Mapping[str, Any], tensors: dict[str, torch.Tensor], model_writer: HFStorageWriter, state_writer: HFStorageWriter | None) -> Future[int]:
+    def _save_async(
+        self,
+        step: int,
+        model_state_dict: Mapping[str, Any],
+        tensors: dict[str, torch.Tensor],
+        model_writer: HFStorageWriter,
+        state_writer: HFStorageWriter | None,
+    ) -> Future[int]:
         _OPEN.add(self)  # again, if it was closed: the exit hook must wait for this save
 
         def commit() -> None:
@@ -206,7 +228,9 @@ class CheckpointManager:
                 self._commit(step)
                 self._prune_local(in_flight=())
 
-        done = self._background.start(step, model_state_dict, tensors, model_writer, state_writer, commit)
+        done = self._background.start(
+            step, model_state_dict, tensors, model_writer, state_writer, commit
+        )
         self._in_flight = (step, done)
         return done
 
@@ -233,12 +257,25 @@ class CheckpointManager:
         steps = self.all_checkpoints()
         if step is None:
             if not steps:
-                raise FileNotFoundError(f"{self.url}: no complete step checkpoint to load (step_N folders with {COMMIT_MARKER})")
+                raise FileNotFoundError(
+                    f"{self.url}: no complete step checkpoint to load (step_N folders with "
+                    f"{COMMIT_MARKER})"
+                )
             step = steps[-1]
         elif step not in steps:
-            raise FileNotFoundError(f"{self.url}: step {step} is not a complete checkpoint here; complete steps: {steps}")
+            raise FileNotFoundError(
+                f"{self.url}: step {step} is not a complete checkpoint here; complete steps: "
+                f"{steps}"
+            )
         # Readers take the writers' I/O settings (storage options, threads, retry, direct I/O).
-        step_folder.load(self.fs, fsio.join(self.root, step_name(step)), model_state_dict, training_state, rank=self._rank, reader_io=self._io)
+        step_folder.load(
+            self.fs,
+            fsio.join(self.root, step_name(step)),
+            model_state_dict,
+            training_state,
+            rank=self._rank,
+            reader_io=self._io,
+        )
         self._barrier()
         return step
 
@@ -264,7 +301,9 @@ class CheckpointManager:
     def _clear_step(self, step: int) -> str | None:
         """(rank 0) Make the step's folder empty, or say why not (a complete step, no overwrite)."""
         fix = "pass CheckpointManager(..., overwrite=True) to replace it, or save another step"
-        return step_folder.clear(self.fs, fsio.join(self.root, step_name(step)), overwrite=self.overwrite, fix=fix)
+        return step_folder.clear(
+            self.fs, fsio.join(self.root, step_name(step)), overwrite=self.overwrite, fix=fix
+        )
 
     def _commit(self, step: int) -> None:
         step_folder.commit(self.fs, fsio.join(self.root, step_name(step)), step, self._world)
@@ -303,4 +342,3 @@ def _close_open_managers() -> None:
             manager.close()
         except BaseException as exc:  # noqa: BLE001 - at exit: report, and close the others
             logger.error("closing a CheckpointManager at exit failed: %s", exc)
-

@@ -61,8 +61,10 @@ def resolve(fs: AbstractFileSystem, name: str) -> str | None:
             raise ValueError(version)
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(
-            f"{fsio.url_of(fs, pointer)}: not a pointer to a checkpoint version ({exc!r}); it must be "
-            f'{{"version": "{VERSION_PREFIX}...", ...}} as hf_dcp_storage writes it: remove the file, or the folder'
+            f"{fsio.url_of(fs, pointer)}: not a pointer to a checkpoint version ({exc!r}); it "
+            "must be "
+            f'{{"version": "{VERSION_PREFIX}...", ...}} as hf_dcp_storage writes it: remove the '
+            "file, or the folder"
         ) from None
     folder = fsio.join(name, version)
     return folder if ckpt_folder.is_complete(fs, folder) else None
@@ -127,7 +129,8 @@ def _start(fs: AbstractFileSystem, name: str, step: int) -> str:
 
 def _switch(fs: AbstractFileSystem, name: str, folder: str, step: int) -> None:
     """(rank 0, ``folder`` committed) Make ``folder`` the checkpoint of ``name``, then remove
-    the one it replaces: a flat checkpoint's marker first, so it is never half-removed yet complete."""
+    the one it replaces: a flat checkpoint's marker first, so it is never half-removed yet
+    complete."""
     version = posixpath.basename(folder)
     marker = {"version": version, "step": step, "format": 1}
     fsio.write_atomic(fs, fsio.join(name, CURRENT_MARKER), json.dumps(marker).encode())

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["STEP_RE", "COMMIT_MARKER", "step_name", "parse_step", "RetentionPolicy", "to_remove"]
+__all__ = ["COMMIT_MARKER", "STEP_RE", "RetentionPolicy", "parse_step", "step_name", "to_remove"]
 
 # [0-9], not \d: \d also matches other scripts' digits, and int() reads them, so "step_1\u0662"
 # would parse as step 12 (a folder that step_name(12) does not name).
@@ -53,13 +53,29 @@ class RetentionPolicy:
     keep_every: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.keep_last_n, int) or isinstance(self.keep_last_n, bool) or self.keep_last_n < 1:
-            raise ValueError(f"keep_last_n={self.keep_last_n!r} must be an int >= 1: the newest complete step is always kept")
-        if self.keep_every is not None and (not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 1):
-            raise ValueError(f"keep_every={self.keep_every!r} must be None or an int >= 1 (keep steps that are multiples of it)")
+        if (
+            not isinstance(self.keep_last_n, int)
+            or isinstance(self.keep_last_n, bool)
+            or self.keep_last_n < 1
+        ):
+            raise ValueError(
+                f"keep_last_n={self.keep_last_n!r} must be an int >= 1: the newest complete step "
+                "is always kept"
+            )
+        if self.keep_every is not None and (
+            not isinstance(self.keep_every, int)
+            or isinstance(self.keep_every, bool)
+            or self.keep_every < 1
+        ):
+            raise ValueError(
+                f"keep_every={self.keep_every!r} must be None or an int >= 1 (keep steps that are "
+                "multiples of it)"
+            )
 
 
-def to_remove(steps: Mapping[int, bool], policy: RetentionPolicy, in_flight: Iterable[int] = ()) -> list[int]:
+def to_remove(
+    steps: Mapping[int, bool], policy: RetentionPolicy, in_flight: Iterable[int] = ()
+) -> list[int]:
     """Steps to delete, ascending, from ``steps`` (step -> complete?).
 
     Kept: the newest ``keep_last_n`` complete steps, complete multiples of ``keep_every``, and

@@ -26,9 +26,19 @@ from fsspec import AbstractFileSystem
 
 from ..io import fsio
 from ..io.parallel import parallel_map
+from ..stores.registry import clear_leftovers_under
 from .retention import COMMIT_MARKER, RetentionPolicy, parse_step, step_name, to_remove
 
-__all__ = ["StepInfo", "PruneResult", "list_steps", "scan_steps", "step_status", "prune_run", "remove_step", "remove_folder"]
+__all__ = [
+    "PruneResult",
+    "StepInfo",
+    "list_steps",
+    "prune_run",
+    "remove_folder",
+    "remove_step",
+    "scan_steps",
+    "step_status",
+]
 
 # Commit-marker checks in flight at once (each is a request on an object store).
 _MARKER_CHECKS = 16
@@ -81,10 +91,17 @@ class PruneResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields (tuples as lists)."""
-        return {"removed": list(self.removed), "kept": list(self.kept), "in_progress": list(self.in_progress), "dry_run": self.dry_run}
+        return {
+            "removed": list(self.removed),
+            "kept": list(self.kept),
+            "in_progress": list(self.in_progress),
+            "dry_run": self.dry_run,
+        }
 
 
-def list_steps(run_dir: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> list[StepInfo]:
+def list_steps(
+    run_dir: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> list[StepInfo]:
     """Every step checkpoint in ``run_dir``, complete or not, ascending by step.
 
     Args:
@@ -112,7 +129,9 @@ def scan_steps(fs: AbstractFileSystem, root: str, *, missing_ok: bool = False) -
     for rel, info in _list_run(fs, root, missing_ok).items():
         first, _, rest = rel.partition("/")
         step = parse_step(first)
-        is_dir = info.get("type") == "directory" or rel.endswith("/")  # S3 folder placeholders end in "/"
+        is_dir = info.get("type") == "directory" or rel.endswith(
+            "/"
+        )  # S3 folder placeholders end in "/"
         if step is None or (not rest and not is_dir):
             continue  # not a step, or a file named like a step: neither is ours
         files = groups.setdefault(step, [])
@@ -136,9 +155,16 @@ def step_status(fs: AbstractFileSystem, root: str, *, missing_ok: bool = False) 
     if not entries and not missing_ok and not fsio.isdir(fs, root):
         raise FileNotFoundError(_missing(fs, root))
     steps = sorted(
-        s for e in entries if e.get("type") == "directory" and (s := parse_step(posixpath.basename(e["name"].rstrip("/")))) is not None
+        s
+        for e in entries
+        if e.get("type") == "directory"
+        and (s := parse_step(posixpath.basename(e["name"].rstrip("/")))) is not None
     )
-    done = parallel_map(lambda s: fsio.exists(fs, fsio.join(root, step_name(s), COMMIT_MARKER)), steps, _MARKER_CHECKS)
+    done = parallel_map(
+        lambda s: fsio.exists(fs, fsio.join(root, step_name(s), COMMIT_MARKER)),
+        steps,
+        _MARKER_CHECKS,
+    )
     return dict(zip(steps, done, strict=True))
 
 
@@ -153,21 +179,12 @@ def remove_folder(fs: AbstractFileSystem, folder: str) -> None:
 
     The commit marker goes first, then the rest: a bulk delete (S3 deletes 1,000 keys per
     request, in any order) interrupted half-way must leave an incomplete folder, which nothing
-    loads and retention removes later, never a "complete" one with files missing. On S3 the
-    unfinished multipart uploads under the folder (a killed save's) are aborted too, on Azure its
-    uncommitted blocks dropped (on GCS a killed save's parts are objects in the folder: they go
-    with it).
+    loads and retention removes later, never a "complete" one with files missing. What a killed
+    save left that deleting the folder's objects does not remove goes too (the store's
+    ``clear_leftovers_under``: S3's open multipart uploads, Azure's uncommitted blocks).
     """
     fsio.remove(fs, fsio.join(folder, COMMIT_MARKER))
-    # Imported here: the listing and pruning tools start without torch, which stores import.
-    if fsio.is_s3(fs):
-        from ..stores.s3 import abort_uploads_under
-
-        abort_uploads_under(fs, folder)
-    elif fsio.is_azure(fs):
-        from ..stores.azure import discard_uncommitted_under
-
-        discard_uncommitted_under(fs, folder)
+    clear_leftovers_under(fs, folder)
     fsio.remove_tree(fs, folder)
 
 
@@ -210,7 +227,9 @@ def prune_run(
         for step in removed:
             remove_step(fs, root, step)
     kept = sorted(set(steps) - set(removed) - set(in_progress))
-    return PruneResult(removed=tuple(removed), kept=tuple(kept), in_progress=in_progress, dry_run=dry_run)
+    return PruneResult(
+        removed=tuple(removed), kept=tuple(kept), in_progress=in_progress, dry_run=dry_run
+    )
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -227,7 +246,9 @@ def _list_run(fs: AbstractFileSystem, root: str, missing_ok: bool) -> dict[str, 
             return {}
         raise FileNotFoundError(_missing(fs, root)) from exc
     base = root.rstrip("/") + "/"
-    under = {path[len(base) :]: info for path, info in found.items() if path.startswith(base)}
+    under: dict[str, Mapping[str, Any]] = {
+        path[len(base) :]: info for path, info in found.items() if path.startswith(base)
+    }
     # An empty listing is either an empty run or no run at all; only then ask which.
     if not under and not missing_ok and not fsio.isdir(fs, root):
         raise FileNotFoundError(_missing(fs, root))
@@ -236,10 +257,15 @@ def _list_run(fs: AbstractFileSystem, root: str, missing_ok: bool) -> dict[str, 
 
 def _missing(fs: AbstractFileSystem, root: str) -> str:
     # On an object store a folder is only a key prefix: a run pruned to nothing is gone as well.
-    return f"{fsio.url_of(fs, root)}: no such run folder (nothing is stored under it); give the folder that holds the step_N checkpoints"
+    return (
+        f"{fsio.url_of(fs, root)}: no such run folder (nothing is stored under it); give the "
+        "folder that holds the step_N checkpoints"
+    )
 
 
-def _step_info(fs: AbstractFileSystem, root: str, step: int, files: list[tuple[str, Mapping[str, Any]]]) -> StepInfo:
+def _step_info(
+    fs: AbstractFileSystem, root: str, step: int, files: list[tuple[str, Mapping[str, Any]]]
+) -> StepInfo:
     """The ``StepInfo`` of one step from its files (path inside the folder, listing entry)."""
     name = step_name(step)  # names are parsed strictly, so this is the folder's own name
     marker = next((info for rel, info in files if rel == COMMIT_MARKER), None)

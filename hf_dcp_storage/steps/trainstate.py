@@ -20,9 +20,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["split", "join", "capture_rng", "restore_rng"]
+__all__ = ["capture_rng", "join", "restore_rng", "split"]
 
-_TENSOR, _TUPLE, _ITEMS, _FLOAT, _BYTES = "__tensor__", "__tuple__", "__items__", "__float__", "__bytes__"
+_TENSOR, _TUPLE, _ITEMS, _FLOAT, _BYTES = (
+    "__tensor__",
+    "__tuple__",
+    "__items__",
+    "__float__",
+    "__bytes__",
+)
 _TAGS = {_TENSOR, _TUPLE, _ITEMS, _FLOAT, _BYTES}
 
 
@@ -55,9 +61,9 @@ def split(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, 
             if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
                 return {_ITEMS: [[k, encode(v, f"{key}.{k}")] for k, v in value.items()]}
         raise TypeError(
-            f"training state {key!r} is a {type(value).__name__}, which is saved neither as a tensor nor as "
-            f"JSON (None, bool, int, float, str, bytes, list, tuple, dict); convert it in state_dict() (e.g. to a "
-            f"list or a tensor)"
+            f"training state {key!r} is a {type(value).__name__}, which is saved neither as a "
+            "tensor nor as JSON (None, bool, int, float, str, bytes, list, tuple, dict); convert "
+            "it in state_dict() (e.g. to a list or a tensor)"
         )
 
     tree = {k: encode(v, k) for k, v in state.items()}
@@ -84,15 +90,21 @@ def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def capture_rng() -> dict[str, Any]:
-    """This process's RNG states (Python, NumPy if installed, torch CPU, every CUDA device), as JSON."""
+    """This process's RNG states (Python, NumPy if installed, torch CPU, every CUDA device), as
+    JSON."""
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": _b64(torch.get_rng_state())}
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "torch": _b64(torch.get_rng_state()),
+    }
     try:
         import numpy as np
     except ImportError:
         pass
     else:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = np.random.get_state(legacy=True)
+        assert isinstance(legacy, tuple)  # the global generator is MT19937: a legacy tuple
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
@@ -100,7 +112,8 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
-    """Set this process's RNG states from ``capture_rng`` output (parts it lacks stay as they are)."""
+    """Set this process's RNG states from ``capture_rng`` output (parts it lacks stay as they
+    are)."""
     if "python" in state:
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))

@@ -15,6 +15,7 @@ uncommitted blobs finds, where the service lists them). The requests are
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,34 +28,19 @@ from ..io.retry import RetryPolicy
 from ..plan.azureplan import AZURE_RULES
 from ..plan.layout import Layout
 from .azure_requests import Azure
-from .base import STAGING_DIR, Ranges
+from .base import STAGING_DIR
 from .parts import PartsStore, quietly
 
-__all__ = ["AzureStore", "AzureRanges", "discard_uncommitted_under"]
-
-
-class AzureRanges(Ranges):
-    """Ranged reads through the library's own retried requests, up to 16 in flight per call."""
-
-    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
-        super().__init__(fs, retry)
-        self.azure = Azure(fs, retry)
-
-    def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        return self.azure.get_spans([(path, start, end) for start, end in ranges])
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        return self.azure.get_range(path, start, end)
+__all__ = ["AzureStore"]
 
 
 class AzureStore(PartsStore):
     """Blocks of the final blobs, committed by the coordinator (see the module docstring)."""
 
     mode = "azure"
+    bound_to_place = "Azure: its bytes sit in uncommitted blocks of the blobs themselves"
     rules = AZURE_RULES
-
-    def _client(self, fs: AbstractFileSystem, retry: RetryPolicy) -> Azure:
-        return Azure(fs, retry)
+    client_class = Azure
 
     def prepare(self, layout: Layout, overwrite: bool, *, make_files: bool = True) -> None:
         """Also drops the uncommitted blocks a killed save left under this path (invisible, but
@@ -65,7 +51,9 @@ class AzureStore(PartsStore):
         keep = set(layout.names)
         names = sorted({n for n in killed if n not in keep})
         azure: Azure = self.client  # type: ignore[assignment]
-        orphans = [fsio.join(self.root, n) for n in names] + azure.uncommitted(self.root.rstrip("/") + "/")
+        orphans = [fsio.join(self.root, n) for n in names] + azure.uncommitted(
+            self.root.rstrip("/") + "/"
+        )
         parallel_map(azure.discard, sorted(set(orphans)), self.threads)
 
     def _assemble(self, f: int, layout: Layout, entries: list[dict[str, Any]]) -> None:
@@ -78,31 +66,40 @@ class AzureStore(PartsStore):
         azure: Azure = self.client  # type: ignore[assignment]
         for name in names:
             path = fsio.join(self.root, name)
-            quietly(lambda path=path: azure.discard(path), f"the uncommitted blocks of {azure.url(path)}")
+            quietly(
+                functools.partial(azure.discard, path),
+                f"the uncommitted blocks of {azure.url(path)}",
+            )
+
+    @classmethod
+    def clear_leftovers_under(cls, fs: AbstractFileSystem, folder: str, retry: RetryPolicy) -> int:
+        """Drop the uncommitted blocks under ``folder`` (a step being pruned): those of the files
+        every save record under it names (the weights', the training state's), and of the blobs
+        a listing of uncommitted blobs finds; returns how many blobs."""
+        azure = Azure(fs, retry)
+        record = f"{STAGING_DIR}/{SAVE_RECORD}"
+        saves = [
+            p[: -len(record)].rstrip("/")
+            for p in fsio.list_tree(fs, folder)
+            if p == record or p.endswith("/" + record)
+        ]
+        roots = {fsio.join(folder, rel) if rel else folder for rel in saves}
+        blobs = {fsio.join(r, n) for r in roots for n in _recorded_files(fs, r, retry)}
+        blobs.update(azure.uncommitted(folder.rstrip("/") + "/"))
+        parallel_map(azure.discard, sorted(blobs), 8)
+        return len(blobs)
 
 
 def _recorded_files(fs: AbstractFileSystem, root: str, retry: RetryPolicy) -> list[str]:
     """The files the save record under ``root`` names (a save that did not finish), or none."""
     where = fsio.join(root, STAGING_DIR, SAVE_RECORD)
     try:
-        raw = retry.call(lambda: fsio.read_all(fs, where), operation="read", url=fsio.url_of(fs, where), keep_permanent=True)
+        raw = retry.call(
+            lambda: fsio.read_all(fs, where),
+            operation="read",
+            url=fsio.url_of(fs, where),
+            keep_permanent=True,
+        )
         return [name for name, _ in SaveRecord.decode(raw, where).files]
     except (FileNotFoundError, ValueError):
         return []
-
-
-def discard_uncommitted_under(fs: AbstractFileSystem, folder: str, retry: RetryPolicy | None = None) -> int:
-    """Drop the uncommitted blocks under ``folder`` (a step being pruned) if ``fs`` is adlfs:
-    those of the files every save record under it names (the weights', the training state's),
-    and of the blobs a listing of uncommitted blobs finds; returns how many blobs."""
-    retry = retry or RetryPolicy()
-    if not fsio.is_azure(fs):
-        return 0
-    azure = Azure(fs, retry)
-    record = f"{STAGING_DIR}/{SAVE_RECORD}"
-    saves = [p[: -len(record)].rstrip("/") for p in fsio.list_tree(fs, folder) if p == record or p.endswith("/" + record)]
-    roots = {fsio.join(folder, rel) if rel else folder for rel in saves}
-    blobs = {fsio.join(r, n) for r in roots for n in _recorded_files(fs, r, retry)}
-    blobs.update(azure.uncommitted(folder.rstrip("/") + "/"))
-    parallel_map(azure.discard, sorted(blobs), 8)
-    return len(blobs)

@@ -11,6 +11,7 @@ alone, and fails with a message naming the operation and the blob.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from ..io.retry import RetryPolicy
 from ..plan.azureplan import block_id
 from .parts import PartRef, PartsClient, quietly
 
-__all__ = ["Azure", "BlockWriter", "BLOCK_BYTES"]
+__all__ = ["BLOCK_BYTES", "Azure", "BlockWriter"]
 
 # A staged stream's blocks: one in memory while it fills, then staged.
 BLOCK_BYTES = 8 << 20
@@ -41,35 +42,54 @@ class Azure(PartsClient):
 
     def _blob(self, path: str) -> Any:
         container, _, blob = path.partition("/")
-        return self.fs.service_client.get_blob_client(container, blob)  # type: ignore[attr-defined]
+        return self.fs.service_client.get_blob_client(container, blob)
 
     def _call(self, operation: str, path: str, method: str, *args: Any, **kwargs: Any) -> Any:
         async def once() -> Any:
             async with self._blob(path) as client:
                 return await getattr(client, method)(*args, **kwargs, **_NO_SDK_RETRY)
 
-        return self.retry.call(lambda: sync(self.fs.loop, once), operation=operation, url=self.url(path))
+        return self.retry.call(
+            lambda: sync(self.fs.loop, once), operation=operation, url=self.url(path)
+        )
 
     # -- blobs and blocks -------------------------------------------------------------------------
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
-        """One blob, whole (a single Put Blob; above ``BLOCK_BYTES`` staged blocks and one commit)."""
+        """One blob, whole (a single Put Blob; above ``BLOCK_BYTES`` staged blocks and one
+        commit)."""
         if len(data) > BLOCK_BYTES:
             with BlockWriter(self, path) as out:
                 out.write(data)
             return {}
-        return self._call("Put Blob", path, "upload_blob", bytes(data), overwrite=True, length=len(data), max_concurrency=1)
+        return self._call(
+            "Put Blob",
+            path,
+            "upload_blob",
+            bytes(data),
+            overwrite=True,
+            length=len(data),
+            max_concurrency=1,
+        )
 
     def stage(self, path: str, block: str, data: bytes | bytearray | memoryview) -> None:
         self._call("Put Block", path, "stage_block", block, _body(data), length=len(data))
 
     def commit(self, path: str, blocks: Sequence[str]) -> None:
-        """Make ``path`` the blob of ``blocks``, in order (uncommitted blocks not named are dropped)."""
+        """Make ``path`` the blob of ``blocks``, in order (uncommitted blocks not named are
+        dropped)."""
         from azure.storage.blob import BlobBlock
 
-        self._call(f"Put Block List ({len(blocks)} blocks)", path, "commit_block_list", [BlobBlock(block_id=b) for b in blocks])
+        self._call(
+            f"Put Block List ({len(blocks)} blocks)",
+            path,
+            "commit_block_list",
+            [BlobBlock(block_id=b) for b in blocks],
+        )
 
-    def upload_part(self, root: str, save_id: str, part: PartRef, data: bytes | bytearray) -> dict[str, Any]:
+    def upload_part(
+        self, root: str, save_id: str, part: PartRef, data: bytes | bytearray
+    ) -> dict[str, Any]:
         """Part ``part.number`` as a block of the final blob, named by its file and first byte."""
         bid = block_id(save_id, part.file, part.start)
         self.stage(f"{root}/{part.name}", bid, data)
@@ -86,10 +106,8 @@ class Azure(PartsClient):
         self.delete(path)
 
     def delete(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._call("Delete Blob", path, "delete_blob")
-        except FileNotFoundError:
-            pass
 
     def uncommitted(self, prefix: str) -> list[str]:
         """Blobs under ``prefix`` (``container/path/``) that hold only uncommitted blocks (a
@@ -97,27 +115,44 @@ class Azure(PartsClient):
         container, _, inner = prefix.partition("/")
 
         async def listing() -> tuple[set[str], set[str]]:
-            async with self.fs.service_client.get_container_client(container) as cc:  # type: ignore[attr-defined]
-                every = {b.name async for b in cc.list_blobs(name_starts_with=inner, include=["uncommittedblobs"], **_NO_SDK_RETRY)}
-                committed = {b.name async for b in cc.list_blobs(name_starts_with=inner, **_NO_SDK_RETRY)}
+            async with self.fs.service_client.get_container_client(container) as cc:
+                every = {
+                    b.name
+                    async for b in cc.list_blobs(
+                        name_starts_with=inner, include=["uncommittedblobs"], **_NO_SDK_RETRY
+                    )
+                }
+                committed = {
+                    b.name async for b in cc.list_blobs(name_starts_with=inner, **_NO_SDK_RETRY)
+                }
             return every, committed
 
         try:
-            every, committed = self.retry.call(lambda: sync(self.fs.loop, listing), operation="list uncommitted blobs under", url=self.url(prefix))
+            every, committed = self.retry.call(
+                lambda: sync(self.fs.loop, listing),
+                operation="list uncommitted blobs under",
+                url=self.url(prefix),
+            )
         except FileNotFoundError:
             return []
         return sorted(f"{container}/{name}" for name in every - committed)
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def get_spans(self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
+    def get_spans(
+        self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16
+    ) -> list[bytes]:
         async def read(path: str, start: int, end: int) -> bytes:
             async def once() -> bytes:
                 async with self._blob(path) as client:
-                    stream = await client.download_blob(offset=start, length=end - start, max_concurrency=1, **_NO_SDK_RETRY)
+                    stream = await client.download_blob(
+                        offset=start, length=end - start, max_concurrency=1, **_NO_SDK_RETRY
+                    )
                     return await stream.readall()
 
-            return await self.retry.acall(once, operation=f"GET bytes {start}-{end - 1} of", url=self.url(path))
+            return await self.retry.acall(
+                once, operation=f"GET bytes {start}-{end - 1} of", url=self.url(path)
+            )
 
         return fetch_spans(self.fs.loop, read, spans, concurrency)
 

@@ -23,12 +23,13 @@ coordinator, the files' bytes by who moved them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import posixpath
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -39,21 +40,25 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..format.index import INDEX_NAME, SHARD_NAME_RE, SINGLE_FILE_NAME
 from ..io import fsio
 from ..io.items import Place
+from ..io.records import CompletionRecord
 from ..io.retry import RetryPolicy
 from ..plan.layout import Layout, element_size
 from ..plan.placed import PlacedChunks
 from ..plan.rankplan import Finished, RankPlan
+from ..plan.reads import coalesce
 
 __all__ = [
     "STAGING_DIR",
-    "Store",
-    "Ranges",
     "MergeStats",
+    "RangeReads",
+    "Ranges",
+    "Reads",
     "Slabs",
-    "staged_path",
-    "in_write_order",
-    "tensor_bytes",
+    "Store",
     "chunk_bytes",
+    "in_write_order",
+    "staged_path",
+    "tensor_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,13 +67,16 @@ logger = logging.getLogger(__name__)
 # coordinator has written the index; then the folder is removed.
 STAGING_DIR = ".hf_dcp_staging"
 
+
 class Slabs(Protocol):
     """``slabs(item) -> [(runs, bytes)]``: a write item's bytes in bounded slabs, cast to the
     saved dtype, with each slab's byte runs ``(offset in the tensor, offset in the slab,
     length)`` (``io/items.py``'s ``item_slabs``); a slab's bytes are valid until the next one is
     asked for. ``place``: where the store wants a slab that must be copied anyway (``Place``)."""
 
-    def __call__(self, item: WriteItem, place: Place | None = None) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]: ...
+    def __call__(
+        self, item: WriteItem, place: Place | None = None
+    ) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]: ...
 
 
 @dataclass
@@ -87,7 +95,9 @@ class MergeStats:
     client_bytes: int = 0
     coordinator_bytes: int = 0
     by_rank: dict[int, int] = field(default_factory=dict)
-    direct_io_bytes: int = 0  # local disk: bytes the ranks wrote with O_DIRECT (the rest through the page cache)
+    direct_io_bytes: int = (
+        0  # local disk: bytes the ranks wrote with O_DIRECT (the rest through the page cache)
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -98,7 +108,9 @@ class MergeStats:
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as plain values (what ``dcp.save`` returns carries, ``writer.py``)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"} | {"client_fraction": self.client_fraction}
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"} | {
+            "client_fraction": self.client_fraction
+        }
 
     def add(self, total: int, gathered: int, here: int) -> None:
         with self._lock:
@@ -115,7 +127,12 @@ class MergeStats:
 
 class Ranges:
     """How a loader reads byte ranges of a store's objects: fsspec's ``cat_ranges`` (concurrent
-    on async stores), retried on transient failures. Stores with a faster path subclass it."""
+    on async stores), retried on transient failures. Stores with a faster path subclass it
+    (their own ranged GETs; local files read in place)."""
+
+    # Whether a load's nearby byte runs are fetched as one request (``plan/reads.coalesce``),
+    # gaps included: where each request costs a round trip. Local reads take each run exactly.
+    coalesces: ClassVar[bool] = True
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs, self.retry = fs, retry
@@ -123,13 +140,74 @@ class Ranges:
     def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """Bytes ``[start, end)`` of each range (fewer only where the object is shorter)."""
         return self.retry.call(
-            lambda: self.fs.cat_ranges([path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges]),
-            operation="read byte ranges of", url=fsio.url_of(self.fs, path),
+            lambda: self.fs.cat_ranges(
+                [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges]
+            ),
+            operation="read byte ranges of",
+            url=fsio.url_of(self.fs, path),
         )
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path`` (fewer only if the object is shorter)."""
-        return self.retry.call(lambda: fsio.read_range(self.fs, path, start, end), operation=f"read bytes {start}-{end - 1} of", url=fsio.url_of(self.fs, path))
+        return self.retry.call(
+            lambda: fsio.read_range(self.fs, path, start, end),
+            operation=f"read bytes {start}-{end - 1} of",
+            url=fsio.url_of(self.fs, path),
+        )
+
+    def open_reads(self, direct_io: bool | None) -> Reads:
+        """(each rank, once per load) What this load's reads go through; closed when the rank's
+        reads are done. ``direct_io``: the reader's option (only local files honour it)."""
+        return RangeReads(self)
+
+
+class Reads(Protocol):
+    """One rank's reads of a load (``Ranges.open_reads``): byte runs of files into buffers."""
+
+    def read_runs(
+        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
+    ) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RangeReads:
+    """One rank's reads of a load through ``ranges``: byte runs of files into buffers, nearby
+    runs joined into one request (``plan/reads.coalesce``), the requests in parallel.
+    Thread-safe."""
+
+    def __init__(self, ranges: Ranges) -> None:
+        self.ranges = ranges
+
+    def read_runs(
+        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
+    ) -> None:
+        """Fill ``view`` with ``runs`` of ``path``: each ``(offset from start, offset in view,
+        bytes)``.
+
+        Raises:
+            ValueError: the file ends before a run does (truncated), naming it.
+        """
+        spans = [(start + t, start + t + n) for t, _, n in runs]
+        requests = coalesce(spans)
+        blobs: list[Any] = self.ranges.get_ranges(path, requests)
+        j = 0
+        for (_, c, n), (s, e) in zip(runs, spans, strict=True):
+            while requests[j][1] < e:
+                j += 1
+            blob, r0 = blobs[j], requests[j][0]
+            if isinstance(blob, BaseException):
+                raise blob
+            if len(blob) < e - r0:
+                url = fsio.url_of(self.ranges.fs, path)
+                raise ValueError(
+                    f"{url}: got {len(blob)} of {requests[j][1] - r0} bytes at {r0}; the file is "
+                    "truncated"
+                )
+            view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
+
+    def close(self) -> None:
+        """Nothing is held between requests."""
 
 
 class Store(ABC):
@@ -141,10 +219,22 @@ class Store(ABC):
         threads: I/O threads per rank.
     """
 
-    mode: ClassVar[str]  # recorded in the save record: "direct", "staged", "s3", "gcs" or "azure"
-    needs_placement: ClassVar[bool] = True  # plan() wants every chunk placed in its rank's staged objects
+    mode: ClassVar[
+        str
+    ]  # recorded in the save record: "direct", "staged", "s3", "gcs" or "azure" (``registry.py``)
+    needs_placement: ClassVar[bool] = (
+        True  # plan() wants every chunk placed in its rank's staged objects
+    )
+    # How ``hf-dcp consolidate`` finishes an interrupted save of this kind: its files are complete
+    # where they were written (only the index is missing); they are merged from staged objects;
+    # or the server assembles them where they are (why, for a message; finished in place only).
+    files_in_place: ClassVar[bool] = False
+    merges_files: ClassVar[bool] = False
+    bound_to_place: ClassVar[str | None] = None
 
-    def __init__(self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int) -> None:
+    def __init__(
+        self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int
+    ) -> None:
         self.fs, self.root, self.retry, self.threads = fs, root, retry, threads
         self.merge_stats = MergeStats()
         # Told the bytes this process merges, as it merges them (``hf-dcp consolidate``'s progress).
@@ -154,6 +244,19 @@ class Store(ABC):
         self.source: tuple[AbstractFileSystem, str] | None = None
         # The save's id (set by the writer before ``prepare``), named in the records it writes.
         self.save_id = ""
+
+    @classmethod
+    def ranges(cls, fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
+        """How loads read this store's objects (fsspec's ranged reads unless the store has a
+        faster path)."""
+        return Ranges(fs, retry)
+
+    @classmethod
+    def clear_leftovers_under(cls, fs: AbstractFileSystem, folder: str, retry: RetryPolicy) -> int:
+        """(pruning a step) Clear what killed saves under ``folder`` left that deleting its
+        objects does not remove (S3's open uploads, Azure's uncommitted blocks); how many.
+        Nothing by default: elsewhere a save's leftovers are objects in the folder."""
+        return 0
 
     # -- 1. coordinator, pure -----------------------------------------------------------------
 
@@ -183,31 +286,45 @@ class Store(ABC):
         committed = [n for n in (INDEX_NAME, SINGLE_FILE_NAME) if n in names]
         if committed and not overwrite:
             raise FileExistsError(
-                f"{fsio.url_of(fs, root)} already holds a complete checkpoint ({', '.join(committed)}); "
-                f"pass HFStorageWriter(..., overwrite=True) to replace it, or save to a new path"
+                f"{fsio.url_of(fs, root)} already holds a complete checkpoint "
+                f"({', '.join(committed)}); pass HFStorageWriter(..., overwrite=True) to replace "
+                "it, or save to a new path"
             )
         # The index goes first: from here on the folder is an incomplete checkpoint, never a
         # complete one whose files are being rewritten underneath it.
-        for name in committed:
-            self._retried(lambda path=fsio.join(root, name): fsio.remove(fs, path), "remove", fsio.join(root, name))
+        for path in [fsio.join(root, name) for name in committed]:
+            self._retried(functools.partial(fsio.remove, fs, path), "remove", path)
         keep = {f.name for f in layout.files}
-        stale = [fsio.join(root, n) for n in names if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)]
+        stale = [
+            fsio.join(root, n)
+            for n in names
+            if n.startswith(STAGING_DIR + "/") or (SHARD_NAME_RE.match(n) and n not in keep)
+        ]
         self._retried(lambda: fsio.remove_many(fs, stale), "remove leftovers under", root)
         if local:
             fs.makedirs(fsio.join(root, STAGING_DIR), exist_ok=True)
         if make_files:
             self._make_files(layout)
 
-    def _make_files(self, layout: Layout) -> None:
+    def _make_files(self, layout: Layout) -> None:  # noqa: B027 - an optional step, empty by default
         """(``prepare``'s last step) Make what the ranks write into; nothing by default."""
 
-    def undo_prepare(self, layout: Layout) -> None:
+    def undo_prepare(self, layout: Layout) -> None:  # noqa: B027 - an optional step, empty by default
         """Undo what ``prepare`` made when the save fails before any rank writes (S3: abort the
         uploads it created); never raises."""
 
-    def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str], completed: Collection[int] = ()) -> None:
+    def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str]) -> None:  # noqa: B027 - an optional step, empty by default
         """(``consolidate``) Take over an interrupted save: its layout, every rank's write items
-        (``plans``), and on S3 the uploads it created (``completed``: those it had completed)."""
+        (``plans``), and the handles it made (``record_uploads``: S3's multipart uploads)."""
+
+    def reconcile(self, layout: Layout, completion: CompletionRecord | None) -> None:  # noqa: B027 - an optional step, empty by default
+        """(``consolidate``, in place, after ``adopt``) Check that what the interrupted save made
+        is still there and note what it had finished (its completion record, if it wrote one);
+        nothing to do by default.
+
+        Raises:
+            ValueError: what the save uploaded is gone (its bytes are lost).
+        """
 
     def rank_data(self, world: int) -> list[Any] | None:
         """(after ``prepare``) What each rank must be told besides its place in the layout (one
@@ -224,7 +341,7 @@ class Store(ABC):
     def write(self, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs) -> list[WriteResult]:
         """(each rank) Write this rank's own bytes; durable (or uploaded) when it returns."""
 
-    def abort(self, rank_plan: RankPlan) -> None:
+    def abort(self, rank_plan: RankPlan) -> None:  # noqa: B027 - an optional step, empty by default
         """(a rank whose part failed) Stop the save's other work where the store can (S3: abort
         its uploads, so no rank goes on writing a doomed checkpoint); never raises."""
 
@@ -237,7 +354,9 @@ class Store(ABC):
     # -- 5. coordinator ---------------------------------------------------------------------------
 
     @abstractmethod
-    def complete(self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, Finished]) -> None:
+    def complete(
+        self, layout: Layout, results: list[list[WriteResult]], finished: Mapping[int, Finished]
+    ) -> None:
         """(coordinator) Make every file whole, before the index is written."""
 
     def clear_staging(self) -> None:
@@ -246,16 +365,25 @@ class Store(ABC):
         this path) removes what is left."""
         staging = fsio.join(self.root, STAGING_DIR)
         try:
-            self._retried(lambda: fsio.remove_tree(self.fs, staging), "remove the staging folder", staging)
+            self._retried(
+                lambda: fsio.remove_tree(self.fs, staging), "remove the staging folder", staging
+            )
         except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: a leftover is no failure
             url = fsio.url_of(self.fs, self.root)
-            logger.warning("%s is committed, but its staging folder could not be removed (%s); `hf-dcp consolidate %s` removes it", url, exc, url)
+            logger.warning(
+                "%s is committed, but its staging folder could not be removed (%s); `hf-dcp "
+                "consolidate %s` removes it",
+                url,
+                exc,
+                url,
+            )
 
     def put(self, path: str, data: bytes) -> None:
         """Write a small file whole: readers see all of it or nothing (and it is durable)."""
         fsio.write_atomic(self.fs, path, data)
 
-    # -- helpers ------------------------------------------------------------------------------------
+    # -- helpers
+    # ------------------------------------------------------------------------------------
 
     def staged_path(self, file_name: str, rank: int, *, source: bool = False) -> str:
         """Where ``rank`` stages its bytes of output file ``file_name`` (``source``: where merges
@@ -266,17 +394,23 @@ class Store(ABC):
     def _retried(self, fn: Callable[[], Any], operation: str, path: str) -> Any:
         """``fn()`` under the retry policy (fsspec requests: s3fs retries neither a 500 nor a
         reset); a permanent failure keeps its own error."""
-        return self.retry.call(fn, operation=operation, url=fsio.url_of(self.fs, path), keep_permanent=True)
+        return self.retry.call(
+            fn, operation=operation, url=fsio.url_of(self.fs, path), keep_permanent=True
+        )
 
 
 def staged_path(root: str, file_name: str, rank: int) -> str:
-    """Where ``rank`` stages its bytes of output file ``file_name`` of the checkpoint at ``root``."""
+    """Where ``rank`` stages its bytes of output file ``file_name`` of the checkpoint at
+    ``root``."""
     return posixpath.join(root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
 
 
-def in_write_order(items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]) -> list[WriteItem]:
+def in_write_order(
+    items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]
+) -> list[WriteItem]:
     """A rank's items of one file in output order (by the chunk's first byte: for chunks of one
-    tensor, the order of their offsets), the order it stages them in; ``plan/placed.py`` sorts alike."""
+    tensor, the order of their offsets), the order it stages them in; ``plan/placed.py`` sorts
+    alike."""
     return sorted(items, key=lambda it: (tensor_start(it), tuple(it.tensor_data.chunk.offsets)))  # type: ignore[union-attr]
 
 

@@ -18,21 +18,38 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.crc import CrcAccumulator
 from ..io.parallel import parallel_map
+from ..plan.parts import GatherPart, RankPart, route_run
 from ..plan.rankplan import RankPlan, Written
-from ..plan.s3parts import GatherPart, RankPart, route_run
 from ..plan.spread import GatherTasks, Source
 from .base import Slabs, chunk_bytes, in_write_order, tensor_bytes
 
-__all__ = ["write_by_file", "FileShare", "fill_file", "with_parts", "PartAssembler", "gather_bytes", "GatheredSources"]
+__all__ = [
+    "FileShare",
+    "GatheredSources",
+    "PartAssembler",
+    "fill_file",
+    "gather_bytes",
+    "with_parts",
+    "write_by_file",
+]
 
 
-def write_by_file(items: list[WriteItem], rank_plan: RankPlan, write_file: Callable[[int, list[WriteItem]], list[WriteResult]], threads: int) -> list[WriteResult]:
+def write_by_file(
+    items: list[WriteItem],
+    rank_plan: RankPlan,
+    write_file: Callable[[int, list[WriteItem]], list[WriteResult]],
+    threads: int,
+) -> list[WriteResult]:
     """(each rank) ``write_file(file, its items)`` for every file this rank has items of, up to
     ``threads`` files at a time; the results of all, in file order."""
     by_file: dict[int, list[WriteItem]] = {}
     for item in items:
         by_file.setdefault(rank_plan.placements[item.index].file, []).append(item)
-    return [r for rs in parallel_map(lambda f: write_file(f, by_file[f]), sorted(by_file), threads) for r in rs]
+    return [
+        r
+        for rs in parallel_map(lambda f: write_file(f, by_file[f]), sorted(by_file), threads)
+        for r in rs
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +66,22 @@ class FileShare:
     def of(cls, file: int, items: list[WriteItem], rank_plan: RankPlan) -> FileShare:
         parts = tuple(rank_plan.store.parts.get(file, ()))
         ordered = in_write_order(items, lambda it: rank_plan.placements[it.index].tensor_start)
-        return cls(rank_plan.files[file], ordered, parts, sum(chunk_bytes(it) for it in ordered) - sum(p.nbytes for p in parts))
+        return cls(
+            rank_plan.files[file],
+            ordered,
+            parts,
+            sum(chunk_bytes(it) for it in ordered) - sum(p.nbytes for p in parts),
+        )
 
 
 def with_parts(results: list[WriteResult], parts: tuple[dict[str, Any], ...]) -> list[WriteResult]:
     """``results`` of one file with the entries of the parts the rank uploaded (``ETag``, ...) on
     its last result, where the coordinator collects them."""
     last = results[-1]
-    return [*results[:-1], dataclasses.replace(last, storage_data=dataclasses.replace(last.storage_data, parts=parts))]
+    return [
+        *results[:-1],
+        dataclasses.replace(last, storage_data=dataclasses.replace(last.storage_data, parts=parts)),
+    ]
 
 
 class PartAssembler:
@@ -68,7 +93,9 @@ class PartAssembler:
 
     def __init__(self, header: bytes, send: Callable[[RankPart, bytearray], None]) -> None:
         self.header, self.send = header, send
-        self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part number -> (buffer, [bytes missing])
+        self._open: dict[
+            int, tuple[bytearray, list[int]]
+        ] = {}  # part number -> (buffer, [bytes missing])
 
     def add(self, part: RankPart, at: int, piece: memoryview) -> None:
         """Copy ``piece``, file bytes from ``at``, into ``part``."""
@@ -90,7 +117,9 @@ class PartAssembler:
         """Raise unless every part of ``name`` this rank began was filled (a plan that does not
         add up: a bug, never a user error)."""
         if self._open:
-            raise RuntimeError(f"{name}: parts {sorted(self._open)} were planned for rank {rank} but not filled")
+            raise RuntimeError(
+                f"{name}: parts {sorted(self._open)} were planned for rank {rank} but not filled"
+            )
 
 
 def fill_file(
@@ -125,11 +154,21 @@ def fill_file(
                         staged.write(piece)
                     else:
                         assembler.add(part, at, piece)
-        results.append(WriteResult(item.index, nbytes, Written(file, None, crc.contribution(tensor_bytes(item)))))
+        results.append(
+            WriteResult(
+                item.index, nbytes, Written(file, None, crc.contribution(tensor_bytes(item)))
+            )
+        )
     return results
 
 
-def gather_bytes(client: Any, sources: Sequence[Source], staged_path: Callable[[int], str], *, url: Callable[[str], str] = str) -> bytearray:
+def gather_bytes(
+    client: Any,
+    sources: Sequence[Source],
+    staged_path: Callable[[int], str],
+    *,
+    url: Callable[[str], str] = str,
+) -> bytearray:
     """A gathered part's bytes: literal pieces (the header's) and ranges of the ranks' staged
     objects (``staged_path(rank)``), read with ``client.get_spans``. Ranges that follow each other
     in one staged object (a rank's runs in a part, which it staged back to back) are one read;
@@ -161,21 +200,30 @@ def gather_bytes(client: Any, sources: Sequence[Source], staged_path: Callable[[
         i, offset, n = step
         data = fetched[i]
         if len(data) < offset + n:
-            raise RuntimeError(f"{url(spans[i][0])}: staged object ends early at byte {spans[i][1] + len(data)}")
+            raise RuntimeError(
+                f"{url(spans[i][0])}: staged object ends early at byte {spans[i][1] + len(data)}"
+            )
         out += memoryview(data)[offset : offset + n]
     return out
 
 
 class GatheredSources:
     """Where each gathered part's bytes sit, for the parts no rank gathered (an interrupted
-    save being finished, by the coordinator): looked up in the ranks' shares, indexed on first need."""
+    save being finished, by the coordinator): looked up in the ranks' shares, indexed on first
+    need."""
 
     def __init__(self, gathers: list[GatherTasks]) -> None:
         self.gathers = gathers
-        self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (file, part number) -> (share, index)
+        self.where: dict[
+            tuple[int, int], tuple[int, int]
+        ] = {}  # (file, part number) -> (share, index)
 
     def of(self, f: int, part: GatherPart) -> list[Any]:
         if not self.where:
-            self.where.update(((fp[0], fp[1]), (b, i)) for b, batch in enumerate(self.gathers) for i, fp in enumerate(batch.parts[:, :2].tolist()))
+            self.where.update(
+                ((fp[0], fp[1]), (b, i))
+                for b, batch in enumerate(self.gathers)
+                for i, fp in enumerate(batch.parts[:, :2].tolist())
+            )
         b, i = self.where[(f, part.number)]
         return self.gathers[b].task(i).sources()

@@ -11,6 +11,7 @@ fails with a message naming the operation and the object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from ..plan.gcsplan import part_name
 from .base import STAGING_DIR
 from .parts import PartRef, PartsClient, quietly
 
-__all__ = ["GCS", "ResumableWriter", "RESUMABLE_ABOVE", "CHUNK_BYTES"]
+__all__ = ["CHUNK_BYTES", "GCS", "RESUMABLE_ABOVE", "ResumableWriter"]
 
 # Objects above this go up as resumable uploads, in chunks: a failed chunk is sent again alone,
 # not the whole object, and a staged stream holds one chunk in memory. Chunks are multiples of
@@ -48,9 +49,11 @@ class GCS(PartsClient):
     def url(self, path: str) -> str:
         return f"gs://{path}"
 
-    async def _once(self, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any, bytes]:
+    async def _once(
+        self, method: str, path: str, *args: Any, **kwargs: Any
+    ) -> tuple[int, Any, bytes]:
         # gcsfs's request without its retry decorator: this library's policy is the only one.
-        request = type(self.fs)._request.__wrapped__  # type: ignore[attr-defined]
+        request = type(self.fs)._request.__wrapped__
         try:
             status, headers, _, contents = await request(self.fs, method, path, *args, **kwargs)
         except OSError as exc:
@@ -65,8 +68,14 @@ class GCS(PartsClient):
             raise
         return status, headers, contents
 
-    def _call(self, operation: str, path: str, method: str, target: str, *args: Any, **kwargs: Any) -> tuple[int, Any, bytes]:
-        return self.retry.call(lambda: sync(self.fs.loop, self._once, method, target, *args, **kwargs), operation=operation, url=self.url(path))
+    def _call(
+        self, operation: str, path: str, method: str, target: str, *args: Any, **kwargs: Any
+    ) -> tuple[int, Any, bytes]:
+        return self.retry.call(
+            lambda: sync(self.fs.loop, self._once, method, target, *args, **kwargs),
+            operation=operation,
+            url=self.url(path),
+        )
 
     def _upload_url(self, bucket: str) -> str:
         return f"{self.fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
@@ -74,7 +83,8 @@ class GCS(PartsClient):
     # -- objects --------------------------------------------------------------------------------
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
-        """One object, whole: a single media upload, or resumable in chunks above ``RESUMABLE_ABOVE``."""
+        """One object, whole: a single media upload, or resumable in chunks above
+        ``RESUMABLE_ABOVE``."""
         if len(data) > RESUMABLE_ABOVE:
             with ResumableWriter(self, path) as out:
                 out.write(data)
@@ -82,12 +92,20 @@ class GCS(PartsClient):
             return out.metadata
         bucket, key = _key(path)
         _, _, body = self._call(
-            "upload", path, "POST", self._upload_url(bucket), uploadType="media", name=key, data=bytes(data) if isinstance(data, memoryview) else data,
+            "upload",
+            path,
+            "POST",
+            self._upload_url(bucket),
+            uploadType="media",
+            name=key,
+            data=bytes(data) if isinstance(data, memoryview) else data,
             headers={"Content-Type": "application/octet-stream"},
         )
         return json.loads(body)
 
-    def upload_part(self, root: str, save_id: str, part: PartRef, data: bytes | bytearray) -> dict[str, Any]:
+    def upload_part(
+        self, root: str, save_id: str, part: PartRef, data: bytes | bytearray
+    ) -> dict[str, Any]:
         """Part ``part.number`` as an object under the save's staging folder; its generation is
         what the compose will require of it, its CRC32C (as GCS computed it) what the composed
         file is checked against."""
@@ -101,42 +119,64 @@ class GCS(PartsClient):
         return ResumableWriter(self, path)
 
     def compose(self, target: str, sources: Sequence[tuple[str, str | None]]) -> dict[str, Any]:
-        """Compose ``sources`` (``(path, generation or None)``, in order, all in the target's bucket)
-        into ``target``. A generation is required of its source: a part replaced since it was
+        """Compose ``sources`` (``(path, generation or None)``, in order, all in the target's
+        bucket) into ``target``. A generation is required of its source: a part replaced since it
+        was
         uploaded (another save's) fails the compose (412) instead of entering the file."""
         bucket, key = _key(target)
         objects = []
         for path, generation in sources:
             b, k = _key(path)
             if b != bucket:
-                raise ValueError(f"cannot compose {self.url(path)} into {self.url(target)}: GCS composes objects of one bucket only")
+                raise ValueError(
+                    f"cannot compose {self.url(path)} into {self.url(target)}: GCS composes "
+                    "objects of one bucket only"
+                )
             entry: dict[str, Any] = {"name": k}
             if generation is not None:
                 entry["objectPreconditions"] = {"ifGenerationMatch": int(generation)}
             objects.append(entry)
-        body = {"kind": "storage#composeRequest", "sourceObjects": objects, "destination": {"contentType": "application/octet-stream"}}
-        _, _, out = self._call(f"compose {len(objects)} objects into", target, "POST", "b/{}/o/{}/compose", bucket, key, json=body)
+        body = {
+            "kind": "storage#composeRequest",
+            "sourceObjects": objects,
+            "destination": {"contentType": "application/octet-stream"},
+        }
+        _, _, out = self._call(
+            f"compose {len(objects)} objects into",
+            target,
+            "POST",
+            "b/{}/o/{}/compose",
+            bucket,
+            key,
+            json=body,
+        )
         return json.loads(out)
 
     def delete(self, path: str) -> None:
         bucket, key = _key(path)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._call("delete", path, "DELETE", "b/{}/o/{}", bucket, key)
-        except FileNotFoundError:
-            pass
 
     def delete_many(self, paths: Sequence[str], threads: int = 16) -> None:
         parallel_map(self.delete, list(paths), threads)
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def get_spans(self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
+    def get_spans(
+        self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16
+    ) -> list[bytes]:
         async def read(path: str, start: int, end: int) -> bytes:
             bucket, key = _key(path)
-            target = f"{self.fs._location}/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
+            target = (
+                f"{self.fs._location}/download/storage/v1/b/{quote(bucket, safe='')}"
+                f"/o/{quote(key, safe='')}"
+            )
             _, _, data = await self.retry.acall(
-                lambda: self._once("GET", target, alt="media", headers={"Range": f"bytes={start}-{end - 1}"}),
-                operation=f"GET bytes {start}-{end - 1} of", url=self.url(path),
+                lambda: self._once(
+                    "GET", target, alt="media", headers={"Range": f"bytes={start}-{end - 1}"}
+                ),
+                operation=f"GET bytes {start}-{end - 1} of",
+                url=self.url(path),
             )
             return data
 
@@ -164,15 +204,23 @@ class ResumableWriter:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         self._buf += view
-        while len(self._buf) > self.chunk:  # keep the last bytes back: the final chunk says the size
+        while (
+            len(self._buf) > self.chunk
+        ):  # keep the last bytes back: the final chunk says the size
             self._send(self.chunk, final=False)
         return len(view)
 
     def _start(self) -> str:
         bucket, key = _key(self.path)
         _, headers, _ = self.gcs._call(
-            "start a resumable upload of", self.path, "POST", self.gcs._upload_url(bucket), uploadType="resumable", name=key,
-            json={"name": key, "contentType": "application/octet-stream"}, headers={"X-Upload-Content-Type": "application/octet-stream"},
+            "start a resumable upload of",
+            self.path,
+            "POST",
+            self.gcs._upload_url(bucket),
+            uploadType="resumable",
+            name=key,
+            json={"name": key, "contentType": "application/octet-stream"},
+            headers={"X-Upload-Content-Type": "application/octet-stream"},
         )
         location = headers["Location"]
         return location[0] if isinstance(location, list) else location
@@ -185,7 +233,12 @@ class ResumableWriter:
         first, last = self._sent, self._sent + n - 1
         content_range = f"bytes {first}-{last}/{total}" if n else f"bytes */{total}"
         status, headers, body = self.gcs._call(
-            f"upload bytes {first}-{last} of", self.path, "PUT", self._session, data=data, headers={"Content-Range": content_range, "Content-Type": "application/octet-stream"},
+            f"upload bytes {first}-{last} of",
+            self.path,
+            "PUT",
+            self._session,
+            data=data,
+            headers={"Content-Range": content_range, "Content-Type": "application/octet-stream"},
         )
         if not final and status == 308 and "Range" in headers:
             persisted = int(headers["Range"].split("-")[1]) + 1
@@ -201,7 +254,9 @@ class ResumableWriter:
 
     def close(self) -> None:
         if self._session is None:
-            self.metadata = self.gcs.put(self.path, self._buf) if len(self._buf) <= self.chunk else None
+            self.metadata = (
+                self.gcs.put(self.path, self._buf) if len(self._buf) <= self.chunk else None
+            )
             if self.metadata is not None:
                 return
         self._send(len(self._buf), final=True)
@@ -215,4 +270,7 @@ class ResumableWriter:
         elif self._session is not None:
             session = self._session
             # Cancelling the session frees it at once (GCS answers 499); otherwise it expires.
-            quietly(lambda: sync(self.gcs.fs.loop, self.gcs._once, "DELETE", session), self.gcs.url(self.path))
+            quietly(
+                lambda: sync(self.gcs.fs.loop, self.gcs._once, "DELETE", session),
+                self.gcs.url(self.path),
+            )

@@ -17,32 +17,36 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.index import INDEX_NAME
 from ..io import fsio
 from ..io.parallel import parallel_map
-from ..io.records import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, RankRecord, SaveRecord, rank_record_name
+from ..io.records import (
+    COMPLETION_RECORD,
+    SAVE_RECORD,
+    CompletionRecord,
+    RankRecord,
+    SaveRecord,
+    rank_record_name,
+)
 from ..io.retry import RetryPolicy
 from ..plan.layout import Layout, layout_from_files
 from ..plan.rankplan import FINISHED, Finished, Written
+from ..stores import coordinator
 from ..stores.base import STAGING_DIR
-from ..stores.parts import PartsStore
-from ..stores.s3 import S3Store
-from ..stores.s3_requests import multipart_etag
+from ..stores.registry import store_class
 from ..writer import HFStorageWriter
 from .progress import NO_PROGRESS, Progress
 
-__all__ = ["consolidate_checkpoint", "ConsolidateReport"]
+__all__ = ["ConsolidateReport", "consolidate_checkpoint"]
 
-# Saves whose parts sit where the server assembles them, bound to the destination: finished in place only.
-_ASSEMBLED_IN_PLACE = {
-    "s3": "S3: its bytes sit in multipart uploads bound to their keys",
-    "gcs": "GCS: its parts are objects in the bucket, composed there",
-    "azure": "Azure: its bytes sit in uncommitted blocks of the blobs themselves",
-}
 # Bytes per read/write when copying finished files to another destination.
 _COPY_BYTES = 8 << 20
 
@@ -51,9 +55,9 @@ _COPY_BYTES = 8 << 20
 class ConsolidateReport:
     """What ``consolidate_checkpoint`` did.
 
-    ``mode``: how the interrupted save had moved its bytes (``direct``, ``staged``, ``s3``, ``gcs``, ``azure``);
-    ``moved_bytes``: bytes this process copied or merged (0 where only the index was missing);
-    ``already_complete``: the source had its index already (only leftovers were cleared).
+    ``mode``: how the interrupted save had moved its bytes (``direct``, ``staged``, ``s3``, ``gcs``,
+    ``azure``); ``moved_bytes``: bytes this process copied or merged (0 where only the index was
+    missing); ``already_complete``: the source had its index already (only leftovers were cleared).
     """
 
     url: str
@@ -90,7 +94,8 @@ def consolidate_checkpoint(
     Raises:
         FileNotFoundError: ``src`` holds no record of a save (nothing to consolidate).
         ValueError: the save cannot be finished (a rank never finished writing, records of
-            different saves, S3 uploads gone, ``dst`` on an S3, GCS or Azure save), naming what and why.
+            different saves, S3 uploads gone, ``dst`` on an S3, GCS or Azure save), naming what and
+            why.
         FileExistsError: ``dst`` holds a complete checkpoint and ``overwrite`` is off.
     """
     started = time.monotonic()
@@ -103,80 +108,128 @@ def consolidate_checkpoint(
     in_place = dst is None or _same_place(fs, root, *fsio.resolve(dst, storage_options))
     if committed:
         if not in_place:
-            raise ValueError(f"{url} is already a complete checkpoint (it has {INDEX_NAME}); nothing to consolidate: copy it to {dst} with your usual tools")
+            raise ValueError(
+                f"{url} is already a complete checkpoint (it has {INDEX_NAME}); nothing to "
+                f"consolidate: copy it to {dst} with your usual tools"
+            )
         # The index exists: the save was committed and died while clearing its staging folder.
         fsio.remove_tree(fs, staging)
         return ConsolidateReport(url, "none", (), 0, 0, 0, True, time.monotonic() - started)
     if SAVE_RECORD not in names:
         raise FileNotFoundError(
-            f"{url}: nothing to consolidate: no {INDEX_NAME} and no save record ({STAGING_DIR}/{SAVE_RECORD}). "
-            f"Either this is not a checkpoint folder, or the save stopped before it had planned its files; save again"
+            f"{url}: nothing to consolidate: no {INDEX_NAME} and no save record "
+            f"({STAGING_DIR}/{SAVE_RECORD}). Either this is not a checkpoint folder, or the save "
+            "stopped before it had planned its files; save again"
         )
     record, ranks = _read_records(fs, staging, names, url)
     layout = layout_from_files(record.files, f"{url}/{STAGING_DIR}/{SAVE_RECORD}")
     plans, results = _rebuild(layout, ranks, url)
-    if record.mode in _ASSEMBLED_IN_PLACE and not in_place:
+    kind = store_class(record.mode)
+    if kind.bound_to_place is not None and not in_place:
         raise ValueError(
-            f"{url} was being saved to {_ASSEMBLED_IN_PLACE[record.mode]}, so it can only be "
-            f"completed in place; run consolidate without a destination, then copy the checkpoint to {dst}"
+            f"{url} was being saved to {kind.bound_to_place}, so it can only be completed in "
+            f"place; run consolidate without a destination, then copy the checkpoint to {dst}"
         )
 
-    if record.mode == "direct":
+    if kind.files_in_place:
         _check_files(fs, root, layout, url)
 
-    writer = HFStorageWriter(dst if dst is not None else src, storage_options=storage_options, thread_count=thread_count, retry=retry, overwrite=overwrite)
+    writer = HFStorageWriter(
+        dst if dst is not None else src,
+        storage_options=storage_options,
+        thread_count=thread_count,
+        retry=retry,
+        overwrite=overwrite,
+    )
     # The store that finishes what the save began: the record's kind, at the destination.
-    store = writer._adopt(layout, record.mode, plans, record.uploads, record.save_id)
-    store.on_bytes = progress.advance
+    store = coordinator.adopt(
+        record.mode,
+        writer.fs,
+        writer.root,
+        (layout, plans, record.uploads, record.save_id),
+        retry=writer.retry,
+        threads=thread_count,
+        source=None if in_place else (fs, root),
+        on_bytes=progress.advance,
+    )
+    writer.adopt(store, layout, record.save_id)
     moved = 0
-    if in_place and isinstance(store, (S3Store, PartsStore)):
+    if in_place and kind.bound_to_place is not None:
         completion = _read_completion(fs, staging, names, record, url)
-        if isinstance(store, S3Store):
-            store.completed = _check_uploads(store, record, layout, completion)
+        store.reconcile(layout, completion)
         if completion is not None:
             results = _with_gathered_parts(results, layout, completion)
     elif not in_place:
-        store.source = (fs, root)
         store.prepare(layout, overwrite, make_files=False)
-        if record.mode == "direct":
+        if kind.files_in_place:
             # The files are complete where they are: copy them, then commit at the destination.
             progress.start(sum(f.size for f in layout.files), "copying")
-            parallel_map(lambda f: _copy(fs, fsio.join(root, f.name), writer.fs, fsio.join(writer.root, f.name), f.size, progress), layout.files, thread_count)
+            parallel_map(
+                lambda f: _copy(
+                    fs,
+                    fsio.join(root, f.name),
+                    writer.fs,
+                    fsio.join(writer.root, f.name),
+                    f.size,
+                    progress,
+                ),
+                layout.files,
+                thread_count,
+            )
             moved = sum(f.size for f in layout.files)
-    if record.mode == "staged":
+    if kind.merges_files:
         progress.start(sum(f.size for f in layout.files), "merging")
-    writer.finish(None, results)  # type: ignore[arg-type]  # finish does not read the metadata
+    writer.finish(None, results)  # finish does not read the metadata
     moved += writer.merge_stats.coordinator_bytes
     return ConsolidateReport(
-        fsio.url_of(writer.fs, writer.root), record.mode, layout.names, len(layout.specs),
-        layout.total_size, moved, False, time.monotonic() - started,
+        fsio.url_of(writer.fs, writer.root),
+        record.mode,
+        layout.names,
+        len(layout.specs),
+        layout.total_size,
+        moved,
+        False,
+        time.monotonic() - started,
     )
 
 
-def _read_records(fs: Any, staging: str, names: set[str], url: str) -> tuple[SaveRecord, list[RankRecord]]:
+def _read_records(
+    fs: Any, staging: str, names: set[str], url: str
+) -> tuple[SaveRecord, list[RankRecord]]:
     """The save record and every rank's record; refuses a save a rank did not finish."""
     where = f"{url}/{STAGING_DIR}"
-    record = SaveRecord.decode(fsio.read_all(fs, fsio.join(staging, SAVE_RECORD)), f"{where}/{SAVE_RECORD}")
+    record = SaveRecord.decode(
+        fsio.read_all(fs, fsio.join(staging, SAVE_RECORD)), f"{where}/{SAVE_RECORD}"
+    )
     missing = [r for r in range(record.world_size) if rank_record_name(r) not in names]
     if missing:
         shown = missing if len(missing) <= 16 else [*missing[:16], "..."]
         raise ValueError(
-            f"{url}: ranks {shown} of {record.world_size} never finished writing (no {STAGING_DIR}/rankNNNNN.json), "
-            f"so the save's data is incomplete and cannot be consolidated; save the checkpoint again"
+            f"{url}: ranks {shown} of {record.world_size} never finished writing (no "
+            f"{STAGING_DIR}/rankNNNNN.json), so the save's data is incomplete and cannot be "
+            "consolidated; save the checkpoint again"
         )
-    raws = parallel_map(lambda r: fsio.read_all(fs, fsio.join(staging, rank_record_name(r))), range(record.world_size), 8)
+    raws = parallel_map(
+        lambda r: fsio.read_all(fs, fsio.join(staging, rank_record_name(r))),
+        range(record.world_size),
+        8,
+    )
     ranks = [RankRecord.decode(raw, f"{where}/{rank_record_name(r)}") for r, raw in enumerate(raws)]
     for r, rank in enumerate(ranks):
         if rank.save_id != record.save_id or rank.rank != r:
             raise ValueError(
-                f"{where}/{rank_record_name(r)} belongs to another save (save id {rank.save_id}, rank {rank.rank}) than "
-                f"{SAVE_RECORD} (save id {record.save_id}); the records are inconsistent, save the checkpoint again"
+                f"{where}/{rank_record_name(r)} belongs to another save (save id {rank.save_id}, "
+                f"rank {rank.rank}) than {SAVE_RECORD} (save id {record.save_id}); the records "
+                "are inconsistent, save the checkpoint again"
             )
     return record, ranks
 
 
-def _rebuild(layout: Layout, ranks: list[RankRecord], url: str) -> tuple[list[SavePlan], list[list[WriteResult]]]:
-    """Each rank's write items and results, as the coordinator's ``finish`` would have received them.
+def _rebuild(
+    layout: Layout, ranks: list[RankRecord], url: str
+) -> tuple[list[SavePlan], list[list[WriteResult]]]:
+    """Each rank's write items and results, as the coordinator's ``finish`` would have received
+    them.
 
     Raises:
         ValueError: a key no rank wrote in full (elements written vs the tensor's size).
@@ -188,11 +241,24 @@ def _rebuild(layout: Layout, ranks: list[RankRecord], url: str) -> tuple[list[Sa
         for i in rank.items:
             spec = layout.specs.get(i.key)
             if spec is None:
-                raise ValueError(f"{url}: rank {rank.rank} recorded key {i.key!r}, which the save's plan does not have; the records are inconsistent")
+                raise ValueError(
+                    f"{url}: rank {rank.rank} recorded key {i.key!r}, which the save's plan does "
+                    "not have; the records are inconsistent"
+                )
             index = MetadataIndex(i.key, torch.Size(i.offsets))
             chunk = ChunkStorageMetadata(torch.Size(i.offsets), torch.Size(i.sizes))
-            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, TensorProperties(dtype=spec.dtype), torch.Size(spec.shape))))
-            rank_results.append(WriteResult(index, i.nbytes, Written(i.file, i.staged_offset, i.crc, i.parts)))
+            items.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk, TensorProperties(dtype=spec.dtype), torch.Size(spec.shape)
+                    ),
+                )
+            )
+            rank_results.append(
+                WriteResult(index, i.nbytes, Written(i.file, i.staged_offset, i.crc, i.parts))
+            )
             written[i.key] += _numel(i.sizes)
         plans.append(SavePlan(items))
         results.append(rank_results)
@@ -200,65 +266,51 @@ def _rebuild(layout: Layout, ranks: list[RankRecord], url: str) -> tuple[list[Sa
     if short:
         k = short[0]
         raise ValueError(
-            f"{url}: the ranks' records cover {written[k]} of the {_numel(layout.specs[k].shape)} elements of {k!r} "
-            f"({len(short)} tensors incomplete); the save's data is incomplete, save the checkpoint again"
+            f"{url}: the ranks' records cover {written[k]} of the {_numel(layout.specs[k].shape)} "
+            f"elements of {k!r} ({len(short)} tensors incomplete); the save's data is incomplete, "
+            "save the checkpoint again"
         )
     return plans, results
 
 
-def _read_completion(fs: Any, staging: str, names: set[str], record: SaveRecord, url: str) -> CompletionRecord | None:
-    """The coordinator's completion record (S3), if it got as far as writing it for this save."""
+def _read_completion(
+    fs: Any, staging: str, names: set[str], record: SaveRecord, url: str
+) -> CompletionRecord | None:
+    """The coordinator's completion record (part stores), if it got as far as writing it for this
+    save."""
     if COMPLETION_RECORD not in names:
         return None
     where = f"{url}/{STAGING_DIR}/{COMPLETION_RECORD}"
-    completion = CompletionRecord.decode(fsio.read_all(fs, fsio.join(staging, COMPLETION_RECORD)), where)
+    completion = CompletionRecord.decode(
+        fsio.read_all(fs, fsio.join(staging, COMPLETION_RECORD)), where
+    )
     return completion if completion.save_id == record.save_id else None
 
 
-def _check_uploads(store: S3Store, record: SaveRecord, layout: Layout, completion: CompletionRecord | None) -> set[int]:
-    """The files whose upload the save had completed already; refuses, before completing
-    anything, when an upload is gone otherwise (aborted: its bytes are lost).
-
-    A completed file is told from a stale object of the same name (an older checkpoint's) by
-    its ETag: the one the recorded parts make (``multipart_etag``).
-    """
-    s3 = store.s3
-    open_ids = {upload_id for _, upload_id in s3.list_uploads(store.root.rstrip("/") + "/")}
-    completed, gone = set(), []
-    for f, upload_id in sorted(record.uploads.items()):
-        if upload_id in open_ids:
-            continue
-        plan = layout.files[f]
-        parts = completion.parts.get(plan.name) if completion is not None else None
-        head = s3.head(fsio.join(store.root, plan.name)) if parts else None
-        if head is not None and head == (plan.size, multipart_etag(parts)):
-            completed.add(f)
-        else:
-            gone.append(plan.name)
-    if gone:
-        raise ValueError(
-            f"{fsio.url_of(store.fs, store.root)}: the save's multipart uploads of {gone} no longer exist (aborted by the "
-            f"failing save itself, by a later save to this path, or by a bucket lifecycle rule), so their bytes are gone; "
-            f"save the checkpoint again"
-        )
-    return completed
-
-
-def _with_gathered_parts(results: list[list[WriteResult]], layout: Layout, completion: CompletionRecord) -> list[list[WriteResult]]:
+def _with_gathered_parts(
+    results: list[list[WriteResult]], layout: Layout, completion: CompletionRecord
+) -> list[list[WriteResult]]:
     """``results`` plus the gathered parts the ranks had uploaded (from the completion record),
     as ``finish`` would have received them: those are not gathered again."""
-    own = {(r.storage_data.file, e["PartNumber"]) for rs in results for r in rs for e in r.storage_data.parts}
+    own = {
+        (r.storage_data.file, e["PartNumber"])
+        for rs in results
+        for r in rs
+        for e in r.storage_data.parts
+    }
     file_of = {plan.name: f for f, plan in enumerate(layout.files)}
     gathered = {
         file_of[name]: tuple(e for e in parts if (file_of[name], e["PartNumber"]) not in own)
-        for name, parts in completion.parts.items() if name in file_of
+        for name, parts in completion.parts.items()
+        if name in file_of
     }
     extra = WriteResult(FINISHED, 0, Finished({f: p for f, p in gathered.items() if p}, (), 0))
     return [*results[:-1], [*results[-1], extra]] if results else [[extra]]
 
 
 def _copy(src_fs: Any, src: str, dst_fs: Any, dst: str, size: int, progress: Progress) -> None:
-    """Stream one file to another store, 8 MiB at a time; the destination appears only when whole."""
+    """Stream one file to another store, 8 MiB at a time; the destination appears only when
+    whole."""
     with fsio.open_read(src_fs, src, _COPY_BYTES) as f, fsio.write_stream(dst_fs, dst, size) as out:
         while block := f.read(_COPY_BYTES):
             out.write(block)
@@ -278,7 +330,10 @@ def _check_files(fs: Any, root: str, layout: Layout, url: str) -> None:
             size = None
         if size != f.size:
             found = "missing" if size is None else f"{size} bytes"
-            raise ValueError(f"{url}/{f.name}: the save wrote it in place at {f.size} bytes, but it is {found} now; save the checkpoint again")
+            raise ValueError(
+                f"{url}/{f.name}: the save wrote it in place at {f.size} bytes, but it is {found} "
+                "now; save the checkpoint again"
+            )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -24,151 +24,52 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, SavePlan, SavePlanner, WriteItem
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem
 
-from ..format.header import DTYPE_TO_NAME
 from ..format.index import INDEX_NAME, SINGLE_FILE_NAME
 from ..io import fsio
-from ..io.parallel import parallel_map
 from ..reader import HFStorageReader
 from ..writer import HFStorageWriter
-from .dcp_format import (
-    DCP_METADATA_NAME,
+from .conversion import ConvertReport, as_key_mapping, parse_dtype, refuse_existing, save_with
+from .dcp_format import DCP_METADATA, check_bucket, dcp_writer, distcp_order, open_dcp, uncommit_dcp
+from .dcp_items import (
     DcpChunks,
-    check_bucket,
     check_data_files,
     chunk_items,
-    dcp_writer,
-    distcp_order,
     item_bytes,
-    open_dcp,
     pack_files,
     read_into,
     slab_items,
     tensor_bytes,
-    uncommit_dcp,
 )
+from .folders import check_thread_count
 from .keymap import KeyMapping, KeyMappingError, Renaming, load_key_mapping
 from .progress import NO_PROGRESS, Progress
 
+# The key-mapping names and the report are importable from here, where they are documented.
 __all__ = [
+    "HF_TO_DCP_CHUNK_BYTES",
     "ConvertReport",
     "KeyMapping",
     "KeyMappingError",
     "Renaming",
-    "load_key_mapping",
-    "parse_dtype",
     "convert_dcp_to_hf",
     "convert_hf_to_dcp",
-    "DCP_METADATA_NAME",
-    "HF_TO_DCP_CHUNK_BYTES",
+    "load_key_mapping",
+    "parse_dtype",
 ]
 
 # hf -> dcp: tensors are stored as row slabs of at most this many bytes (one DCP chunk each),
 # packed into .distcp files of at most this many bytes. DCP's writer keeps every tensor of a
 # file in memory until the file is closed, so this bounds memory per writer thread.
 HF_TO_DCP_CHUNK_BYTES = 64 << 20
-
-
-def _as_key_mapping(key_mapping: str | os.PathLike[str] | Mapping[str, str | None] | KeyMapping | None) -> KeyMapping:
-    return KeyMapping({}) if key_mapping is None else load_key_mapping(key_mapping)
-
-
-# -- dtype ------------------------------------------------------------------------------------
-
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
-}  # fmt: skip
-
-
-def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """The floating-point dtype to cast to: ``None``, a ``torch.dtype``, or a name like ``"bf16"``.
-
-    Raises:
-        ValueError: an unknown name (the message lists the accepted ones), or a dtype that is not
-            floating point or that safetensors cannot hold.
-    """
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        found = _DTYPE_NAMES.get(dtype.strip().lower().removeprefix("torch."))
-        if found is None:
-            raise ValueError(f"dtype={dtype!r} is not a known dtype; pass one of {', '.join(_DTYPE_NAMES)} (or a torch.dtype)")
-        return found
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype not in DTYPE_TO_NAME:
-        raise ValueError(
-            f"dtype={dtype!r} must be a floating-point dtype that safetensors holds, such as torch.bfloat16; "
-            f"only floating-point tensors are cast, integer and bool tensors keep their dtype"
-        )
-    return dtype
-
-
-# -- report -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConvertReport:
-    """What a conversion did.
-
-    ``tensors``: tensors written. ``bytes``: their bytes in the saved dtypes (the index's
-    ``total_size`` for HF; DCP adds ``torch.save`` framing on top). ``files``: the output files'
-    names inside ``dst``, data files then the commit marker. ``skipped``: source keys not
-    converted (non-tensor DCP entries, keys mapped to null), in source order.
-    ``unused_rules``: key-mapping rules that matched no tensor. ``seconds``: wall time.
-    """
-
-    tensors: int
-    bytes: int
-    files: tuple[str, ...]
-    skipped: tuple[str, ...]
-    seconds: float
-    unused_rules: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the fields (tuples as lists)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-
-
-# -- the shared driving code ------------------------------------------------------------------
-
-
-def _save_with(
-    writer: StorageWriter, plans: list[list[WriteItem]], planner: object, metadata: Metadata, threads: int = 1
-) -> list[list[WriteResult]]:
-    """Run ``writer``'s save sequence in this process, as DCP does for ``len(plans)`` ranks.
-
-    Each list of items is one rank's plan; this process plays every rank (``write_data`` of up
-    to ``threads`` plans at once) and the coordinator. ``planner`` needs only
-    ``resolve_data(item) -> tensor``, all that ``write_data`` calls.
-    """
-    writer.set_up_storage_writer(True)
-    local = [writer.prepare_local_plan(SavePlan(items)) for items in plans]
-    global_plans = writer.prepare_global_plan(local)
-    save_planner = cast(SavePlanner, planner)
-    results = parallel_map(lambda plan: writer.write_data(plan, save_planner).wait(), global_plans, threads)
-    writer.finish(metadata, results)
-    return results
-
-
-def _refuse_existing(fs: AbstractFileSystem, root: str, markers: Sequence[str], what: str) -> None:
-    """Raise if ``root`` holds a complete checkpoint (one of its commit ``markers``)."""
-    found = [m for m in markers if fsio.exists(fs, fsio.join(root, m))]
-    if found:
-        raise FileExistsError(
-            f"{fsio.url_of(fs, root)} already holds {what} ({', '.join(found)}); pass overwrite=True to "
-            f"replace it, or convert to a new path"
-        )
 
 
 # -- dcp -> hf --------------------------------------------------------------------------------
@@ -230,13 +131,19 @@ def convert_dcp_to_hf(
     """
     started = time.perf_counter()
     progress = progress or NO_PROGRESS
-    mapping = _as_key_mapping(key_mapping)
+    mapping = as_key_mapping(key_mapping)
     cast_dtype = parse_dtype(dtype)
     writer = HFStorageWriter(
-        dst, storage_options=storage_options, max_shard_size=max_shard_size, overwrite=overwrite, thread_count=thread_count
+        dst,
+        storage_options=storage_options,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        thread_count=thread_count,
     )
     if not overwrite:
-        _refuse_existing(writer.fs, writer.root, (INDEX_NAME, SINGLE_FILE_NAME), "a complete HF checkpoint")
+        refuse_existing(
+            writer.fs, writer.root, (INDEX_NAME, SINGLE_FILE_NAME), "a complete HF checkpoint"
+        )
     # Step 1: the source's metadata, validated.
     source = open_dcp(src, storage_options)
     entries = source.metadata.state_dict_metadata
@@ -244,13 +151,20 @@ def convert_dcp_to_hf(
     renaming = mapping.apply(tensors)
     # Step 2: the plan: one write item per stored chunk, under its target key and dtype; and
     # every data file it reads must be there.
-    items, chunks = chunk_items(tensors, renaming, cast_dtype, source.metadata.storage_data, source.url)
+    items, chunks = chunk_items(
+        tensors, renaming, cast_dtype, source.metadata.storage_data, source.url
+    )
     check_data_files(source, chunks.values())
     total = sum(item_bytes(item) for item in items)
     # Step 3: drive the HF writer; it pulls each chunk from the source when it writes it.
     progress.start(total, "dcp -> hf")
     # One plan, as one rank: the HF writer runs thread_count writes itself. It ignores the metadata.
-    _save_with(writer, [items], DcpChunks(source.reader, chunks, progress), Metadata(state_dict_metadata={}))
+    save_with(
+        writer,
+        [items],
+        DcpChunks(source.reader, chunks, progress),
+        Metadata(state_dict_metadata={}),
+    )
     # Step 4: report what was committed.
     skipped = tuple(k for k in entries if k not in renaming.targets)
     return ConvertReport(
@@ -276,7 +190,9 @@ class _HfSlabs:
     """The planner DCP's ``FileSystemWriter.write_data`` reads from: ``resolve_data`` reads one
     row slab of an HF tensor through ``HFStorageReader``, already in the planned dtype."""
 
-    def __init__(self, reader: HFStorageReader, sources: Mapping[str, str], progress: Progress) -> None:
+    def __init__(
+        self, reader: HFStorageReader, sources: Mapping[str, str], progress: Progress
+    ) -> None:
         self._reader = reader
         self._sources = sources  # target key -> HF key
         self._progress = progress
@@ -289,11 +205,14 @@ class _HfSlabs:
             type=LoadItemType.TENSOR,
             dest_index=item.index,
             dest_offsets=torch.Size([0] * len(sizes)),
-            storage_index=MetadataIndex(self._sources[item.index.fqn], torch.Size([0] * len(sizes))),
+            storage_index=MetadataIndex(
+                self._sources[item.index.fqn], torch.Size([0] * len(sizes))
+            ),
             storage_offsets=offsets,
             lengths=sizes,
         )
-        # The reader converts into the buffer's dtype slab by slab when it differs from the stored one.
+        # The reader converts into the buffer's dtype slab by slab when it differs from the
+        # stored one.
         tensor = read_into(self._reader, read, torch.empty(sizes, dtype=td.properties.dtype))
         self._progress.advance(tensor.numel() * tensor.element_size())
         return tensor
@@ -351,19 +270,21 @@ def convert_hf_to_dcp(
     """
     started = time.perf_counter()
     progress = progress or NO_PROGRESS
-    mapping = _as_key_mapping(key_mapping)
+    mapping = as_key_mapping(key_mapping)
     cast_dtype = parse_dtype(dtype)
-    if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
-        raise ValueError(f"thread_count={thread_count!r} must be an int >= 1")
+    check_thread_count(thread_count)
     fs, root = fsio.resolve(dst, storage_options)
     check_bucket(fs, root)
     if not overwrite:
-        _refuse_existing(fs, root, (DCP_METADATA_NAME,), "a DCP checkpoint")
+        refuse_existing(fs, root, (DCP_METADATA,), "a DCP checkpoint")
     # Step 1: the source's index and headers, validated by the reader.
     source = _open_hf(src, storage_options, thread_count)
     renaming = mapping.apply(source.storage_metadata)
     if not renaming.targets:
-        raise ValueError(f"{fsio.url_of(source.fs, source.root)}: nothing to convert: key_mapping drops every tensor")
+        raise ValueError(
+            f"{fsio.url_of(source.fs, source.root)}: nothing to convert: key_mapping drops every "
+            "tensor"
+        )
     # Step 2: the plan: row slabs of every kept tensor packed into files, and the DCP metadata
     # that lists the slabs as chunks.
     items, state = slab_items(source.storage_metadata, renaming, cast_dtype, HF_TO_DCP_CHUNK_BYTES)
@@ -373,16 +294,20 @@ def convert_hf_to_dcp(
         uncommit_dcp(fs, root)
     writer = dcp_writer(dst, fs, root, storage_options)
     progress.start(total, "hf -> dcp")
-    metadata = Metadata(state_dict_metadata=dict(state), planner_data={key: (key,) for key in state})
+    metadata = Metadata(
+        state_dict_metadata=dict(state), planner_data={key: (key,) for key in state}
+    )
     hf_key_of = {target: key for key, target in renaming.targets.items()}
     planner = _HfSlabs(source.reader, hf_key_of, progress)
-    results = _save_with(writer, pack_files(items, HF_TO_DCP_CHUNK_BYTES), planner, metadata, thread_count)
+    results = save_with(
+        writer, pack_files(items, HF_TO_DCP_CHUNK_BYTES), planner, metadata, thread_count
+    )
     # Step 4: report.
     files = sorted({r.storage_data.relative_path for rs in results for r in rs}, key=distcp_order)
     return ConvertReport(
         tensors=len(state),
         bytes=total,
-        files=(*files, DCP_METADATA_NAME),
+        files=(*files, DCP_METADATA),
         skipped=renaming.dropped,
         seconds=time.perf_counter() - started,
         unused_rules=renaming.unused_rules,
@@ -399,20 +324,22 @@ class _OpenHf:
     root: str
 
 
-def _open_hf(src: str | os.PathLike[str], storage_options: dict[str, Any] | None, thread_count: int) -> _OpenHf:
-    """``HFStorageReader`` for ``src``, set up with its metadata; a DCP folder gets a pointed message."""
+def _open_hf(
+    src: str | os.PathLike[str], storage_options: dict[str, Any] | None, thread_count: int
+) -> _OpenHf:
+    """``HFStorageReader`` for ``src``, set up with its metadata; a DCP folder gets a pointed
+    message."""
     reader = HFStorageReader(src, storage_options=storage_options, thread_count=thread_count)
     try:
         metadata = reader.read_metadata()
     except FileNotFoundError:
-        if fsio.exists(reader.fs, fsio.join(reader.root, DCP_METADATA_NAME)):
+        if fsio.exists(reader.fs, fsio.join(reader.root, DCP_METADATA)):
             raise FileNotFoundError(
-                f"{fsio.url_of(reader.fs, reader.root)} is a DCP checkpoint (it has {DCP_METADATA_NAME}), not a "
-                f"Hugging Face one; convert it the other way with convert_dcp_to_hf"
+                f"{fsio.url_of(reader.fs, reader.root)} is a DCP checkpoint (it has "
+                f"{DCP_METADATA}), not a Hugging Face one; convert it the other way with "
+                "convert_dcp_to_hf"
             ) from None
         raise
     reader.set_up_storage_reader(metadata, True)
     state = cast(Mapping[str, TensorStorageMetadata], metadata.state_dict_metadata)
     return _OpenHf(reader, state, reader.fs, reader.root)
-
-

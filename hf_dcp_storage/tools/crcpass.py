@@ -19,7 +19,7 @@ from ..io.files import ReadRange
 from ..io.parallel import parallel_map
 from .progress import Progress
 
-__all__ = ["BLOCK_BYTES", "Tensor", "FileJob", "check_checksums"]
+__all__ = ["BLOCK_BYTES", "FileJob", "Tensor", "check_checksums"]
 
 # Bytes per ranged read of the checksum pass: large enough that a request's latency is small
 # next to its transfer (S3), small enough that thread_count of them in memory stay modest.
@@ -62,7 +62,9 @@ class FileJob:
         return range(bisect.bisect_right(ends, start), bisect.bisect_left(starts, end))
 
 
-def check_checksums(jobs: list[FileJob], read_range: ReadRange, threads: int, progress: Progress, report: Report) -> int:
+def check_checksums(
+    jobs: list[FileJob], read_range: ReadRange, threads: int, progress: Progress, report: Report
+) -> int:
     """Read every tensor of ``jobs`` once, in blocks, in parallel; ``report`` each mismatch.
     Returns the bytes read."""
     blocks = [(j, start, end) for j, job in enumerate(jobs) for start, end in _blocks(job.tensors)]
@@ -92,7 +94,9 @@ def check_checksums(jobs: list[FileJob], read_range: ReadRange, threads: int, pr
     return checked
 
 
-def _block_crcs(read_range: ReadRange, job: FileJob, start: int, end: int) -> list[tuple[int, int, int]] | None:
+def _block_crcs(
+    read_range: ReadRange, job: FileJob, start: int, end: int
+) -> list[tuple[int, int, int]] | None:
     """``(tensor index, crc32, length)`` of each tensor's share of bytes ``[start, end)``;
     ``None`` if the file ended before ``end``."""
     data = read_range(job.path, start, end)
@@ -109,13 +113,20 @@ def _block_crcs(read_range: ReadRange, job: FileJob, start: int, end: int) -> li
 
 def _compare(job: FileJob, tensor: Tensor, state: tuple[int, int] | None, report: Report) -> None:
     if state is None or state[1] != tensor.nbytes:
-        report(job.name, tensor.key, f"{job.name}: tensor {tensor.key!r} could not be read whole: the file ended early (did it change during the check?)")
+        report(
+            job.name,
+            tensor.key,
+            f"{job.name}: tensor {tensor.key!r} could not be read whole: the file ended early "
+            "(did it change during the check?)",
+        )
     elif state[0] != tensor.crc:
         report(
-            job.name, tensor.key,
-            f"{job.name}: tensor {tensor.key!r} fails its checksum (crc32 of the bytes read {state[0]:08x}, "
-            f"the index records {tensor.crc:08x}); the file is corrupt: restore it from a copy or re-save",
-        )  # fmt: skip
+            job.name,
+            tensor.key,
+            f"{job.name}: tensor {tensor.key!r} fails its checksum (crc32 of the bytes read "
+            f"{state[0]:08x}, the index records {tensor.crc:08x}); the file is corrupt: restore "
+            "it from a copy or re-save",
+        )
 
 
 def _blocks(tensors: Iterable[Tensor]) -> list[tuple[int, int]]:
@@ -129,4 +140,8 @@ def _blocks(tensors: Iterable[Tensor]) -> list[tuple[int, int]]:
             runs[-1][1] = t.end
         else:
             runs.append([t.start, t.end])
-    return [(s, min(s + BLOCK_BYTES, end)) for start, end in runs for s in range(start, end, BLOCK_BYTES)]
+    return [
+        (s, min(s + BLOCK_BYTES, end))
+        for start, end in runs
+        for s in range(start, end, BLOCK_BYTES)
+    ]

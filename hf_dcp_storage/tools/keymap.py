@@ -34,7 +34,7 @@ class _Template:
         if self.target is None:
             return None
         pieces = self.target.split(_PLACEHOLDER)
-        return "".join(p + n for p, n in zip(pieces, numbers)) + pieces[-1]
+        return "".join(p + n for p, n in zip(pieces[:-1], numbers, strict=True)) + pieces[-1]
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class KeyMapping:
     def __init__(self, rules: Mapping[str, str | None], *, origin: str = "key_mapping") -> None:
         if not isinstance(rules, Mapping):
             raise KeyMappingError(
-                f"{origin} must be a JSON object mapping source keys to target keys (or null to drop a key), "
-                f"got {type(rules).__name__}"
+                f"{origin} must be a JSON object mapping source keys to target keys (or null to "
+                f"drop a key), got {type(rules).__name__}"
             )
         self.origin = origin
         self._exact: dict[str, str | None] = {}
@@ -92,7 +92,9 @@ class KeyMapping:
         for source, target in rules.items():
             _check_rule(source, target, origin)
             if _PLACEHOLDER in source:
-                pattern = re.compile(r"(\d+)".join(re.escape(p) for p in source.split(_PLACEHOLDER)))
+                pattern = re.compile(
+                    r"(\d+)".join(re.escape(p) for p in source.split(_PLACEHOLDER))
+                )
                 self._templates.append(_Template(source, target, pattern))
             else:
                 self._exact[source] = target
@@ -129,9 +131,9 @@ class KeyMapping:
                 continue
             if target in origin_of:
                 raise KeyMappingError(
-                    f"{self.origin}: both {origin_of[target]!r} and {key!r} would become {target!r}; "
-                    f"each target key must come from one source key. Change one of the rules, or "
-                    f"map one of the keys to null to drop it"
+                    f"{self.origin}: both {origin_of[target]!r} and {key!r} would become "
+                    f"{target!r}; each target key must come from one source key. Change one of "
+                    "the rules, or map one of the keys to null to drop it"
                 )
             origin_of[target] = key
             targets[key] = target
@@ -147,8 +149,9 @@ class KeyMapping:
             return key, None
         if len(hits) > 1:
             raise KeyMappingError(
-                f"{self.origin}: key {key!r} matches several templates {[t.source for t, _ in hits]}; "
-                f"make them distinct (each {{}} matches one run of digits) or add an exact rule for the key"
+                f"{self.origin}: key {key!r} matches several templates "
+                f"{[t.source for t, _ in hits]}; make them distinct (each {{}} matches one run of "
+                "digits) or add an exact rule for the key"
             )
         template, match = hits[0]
         return template.render(match.groups()), template.source
@@ -159,27 +162,34 @@ def _check_rule(source: object, target: object, origin: str) -> None:
         raise KeyMappingError(f"{origin}: key {source!r} must be a non-empty string")
     if target is not None and (not isinstance(target, str) or not target):
         raise KeyMappingError(
-            f"{origin}: {source!r} maps to {target!r}; a target must be a non-empty string, or null to drop the key"
+            f"{origin}: {source!r} maps to {target!r}; a target must be a non-empty string, or "
+            "null to drop the key"
         )
     for side in (source, target):
-        if side is not None and ("{" in side.replace(_PLACEHOLDER, "") or "}" in side.replace(_PLACEHOLDER, "")):
+        if side is not None and (
+            "{" in side.replace(_PLACEHOLDER, "") or "}" in side.replace(_PLACEHOLDER, "")
+        ):
             raise KeyMappingError(
-                f"{origin}: rule {source!r}: {target!r} has braces other than {{}}; the only placeholder is {{}} "
-                f"(one run of digits, such as a layer number)"
+                f"{origin}: rule {source!r}: {target!r} has braces other than {{}}; the only "
+                f"placeholder is {{}} (one run of digits, such as a layer number)"
             )
     if re.search(r"\{\}\d*\{\}", source):
         raise KeyMappingError(
-            f"{origin}: rule {source!r} has two {{}} placeholders with only digits between them, so a key's digits "
-            f"could be split between them in several ways; separate them with a non-digit, such as '.'"
+            f"{origin}: rule {source!r} has two {{}} placeholders with only digits between them, "
+            "so a key's digits could be split between them in several ways; separate them with a "
+            "non-digit, such as '.'"
         )
     if target is not None and source.count(_PLACEHOLDER) != target.count(_PLACEHOLDER):
         raise KeyMappingError(
-            f"{origin}: rule {source!r}: {target!r} has {source.count(_PLACEHOLDER)} {{}} placeholder(s) on the "
-            f"left and {target.count(_PLACEHOLDER)} on the right; both sides need the same number, in the same order"
+            f"{origin}: rule {source!r}: {target!r} has {source.count(_PLACEHOLDER)} {{}} "
+            f"placeholder(s) on the left and {target.count(_PLACEHOLDER)} on the right; both "
+            "sides need the same number, in the same order"
         )
 
 
-def load_key_mapping(source: str | os.PathLike[str] | Mapping[str, str | None] | KeyMapping) -> KeyMapping:
+def load_key_mapping(
+    source: str | os.PathLike[str] | Mapping[str, str | None] | KeyMapping,
+) -> KeyMapping:
     """A :class:`KeyMapping` from a JSON file (local path or fsspec URL) or from a dict.
 
     The JSON file holds one object: ``{"source key": "target key" or null, ...}``; a key given
@@ -195,20 +205,27 @@ def load_key_mapping(source: str | os.PathLike[str] | Mapping[str, str | None] |
         return KeyMapping(source)
     if not isinstance(source, (str, os.PathLike)):
         raise KeyMappingError(
-            f"key_mapping must be a JSON file path, a dict or a KeyMapping, got {type(source).__name__}"
+            "key_mapping must be a JSON file path, a dict or a KeyMapping, got "
+            f"{type(source).__name__}"
         )
     where = os.fspath(source)
     try:
         fs, path = fsio.resolve(where, None)
         raw = fsio.read_all(fs, path)
     except (OSError, ValueError, ImportError) as exc:
-        raise KeyMappingError(f"cannot read key mapping {where}: {exc}; pass the path of a JSON file") from exc
+        raise KeyMappingError(
+            f"cannot read key mapping {where}: {exc}; pass the path of a JSON file"
+        ) from exc
     rules = loads_strict(
         raw,
-        duplicate=lambda key: KeyMappingError(f"{where}: key {key!r} appears twice; give each source key one rule"),
+        duplicate=lambda key: KeyMappingError(
+            f"{where}: key {key!r} appears twice; give each source key one rule"
+        ),
         invalid=lambda exc: KeyMappingError(
-            f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); a key mapping is one object such as "
-            f'{{"layers.{{}}.attention.wq.weight": "model.layers.{{}}.self_attn.q_proj.weight", "freqs_cis": null}}'
+            f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); a key mapping is "
+            "one object such as "
+            f'{{"layers.{{}}.attention.wq.weight": "model.layers.{{}}.self_attn.q_proj.weight", '
+            f'"freqs_cis": null}}'
         ),
     )
     return KeyMapping(rules, origin=where)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["Progress", "NullProgress", "NO_PROGRESS"]
+__all__ = ["NO_PROGRESS", "NullProgress", "Progress"]
 
 
 class Progress(Protocol):

@@ -22,10 +22,11 @@ A ``CheckpointManager`` step folder also gets its ``COMMITTED`` marker and its `
 checked (the latter as an HF checkpoint of its own). A PyTorch DCP checkpoint gets its
 ``.metadata`` and the sizes of the ``.distcp`` files it names checked; it records no checksums.
 
-The checksum pass (``tools/crcpass.py``) reads each file in ``BLOCK_BYTES`` ranged reads, ``thread_count`` at a time
-across all files and within each file, so memory stays ``thread_count * BLOCK_BYTES`` whatever the
-checkpoint's size; each block yields the CRC32 of its share of every tensor it overlaps, and the
-shares are combined in order (``format/crc.py``: ``crc32_combine``).
+The checksum pass (``tools/crcpass.py``) reads each file in ``BLOCK_BYTES`` ranged reads,
+``thread_count`` at a time across all files and within each file, so memory stays
+``thread_count * BLOCK_BYTES`` whatever the checkpoint's size; each block yields the CRC32 of
+its share of every tensor it overlaps, and the shares are combined in order (``format/crc.py``:
+``crc32_combine``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ import os
 from typing import Any
 
 from ..io import fsio
-from .checks import HfDir, Problem, Verification, VerifyReport
+from .checks import HfDir
 from .crcpass import BLOCK_BYTES, check_checksums
-from .inspection import FORMAT_DCP, FORMAT_HF, _check_thread_count, is_step_folder, open_checkpoint
+from .folderchecks import Verification
+from .folders import FORMAT_DCP, FORMAT_HF, check_thread_count, is_step_folder, open_checkpoint
 from .progress import NO_PROGRESS, Progress
+from .verify_report import Problem, VerifyReport
 
 __all__ = ["BLOCK_BYTES", "Problem", "VerifyReport", "verify_checkpoint"]
 
@@ -53,7 +56,8 @@ def verify_checkpoint(
     """Check the checkpoint at ``path`` and report every defect (see the module docstring).
 
     Args:
-        path: the checkpoint folder (or a ``CheckpointManager`` step folder), local or any fsspec URL.
+        path: the checkpoint folder (or a ``CheckpointManager`` step folder), local or any
+            fsspec URL.
         storage_options: passed to fsspec.
         thread_count: reads in flight (headers, then checksum blocks); memory of the checksum
             pass is about ``thread_count * BLOCK_BYTES``.
@@ -69,7 +73,7 @@ def verify_checkpoint(
         ValueError: a bad ``thread_count``.
         OSError: the store failed to answer (after retries), e.g. access denied.
     """
-    _check_thread_count(thread_count)
+    check_thread_count(thread_count)
     fs, root, folder, kind = open_checkpoint(path, storage_options)
     report = VerifyReport(url=fsio.url_of(fs, root), format=kind)
     run = Verification(fs, root, report, storage_options, thread_count, checksums)
@@ -84,5 +88,7 @@ def verify_checkpoint(
     if not checksums:
         report.notes.append("checksums not checked (checksums=False): structure only")
     if jobs:
-        report.bytes_checked += check_checksums(jobs, run.read_range, thread_count, progress or NO_PROGRESS, run.problem)
+        report.bytes_checked += check_checksums(
+            jobs, run.read_range, thread_count, progress or NO_PROGRESS, run.problem
+        )
     return report

@@ -1,4 +1,5 @@
-"""One Lightning fit on 2 CPU gloo ranks with ``HFModelParallelStrategy`` (for ``test_lightning.py``).
+"""One Lightning fit on 2 CPU gloo ranks with ``HFModelParallelStrategy`` (for
+``test_lightning.py``).
 
     python tests/integrations/_lightning_fit.py SPEC.json
 
@@ -30,7 +31,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -45,7 +50,11 @@ class Net(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.layers = torch.nn.Sequential(
-            torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)
+            torch.nn.Linear(16, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 4),
         )
 
     def configure_model(self) -> None:
@@ -63,8 +72,13 @@ class Net(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.05 * step))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 1.0 / (1.0 + 0.05 * step)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(1234)
@@ -89,15 +103,29 @@ def main(spec_path: str) -> None:
     callbacks: list[Callback] = [losses := EpochLosses()]
     if spec.get("best_dir"):
         callbacks.append(
-            ModelCheckpoint(dirpath=spec["best_dir"], filename="best-{epoch}", monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_epochs=1)
+            ModelCheckpoint(
+                dirpath=spec["best_dir"],
+                filename="best-{epoch}",
+                monitor="train_loss",
+                mode="min",
+                save_top_k=2,
+                save_last=True,
+                every_n_epochs=1,
+            )
         )
     if spec.get("all_dir"):
-        callbacks.append(ModelCheckpoint(dirpath=spec["all_dir"], filename="all-{epoch}", save_top_k=-1, every_n_epochs=1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=spec["all_dir"], filename="all-{epoch}", save_top_k=-1, every_n_epochs=1
+            )
+        )
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=HFModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, storage_options=options),
+        strategy=HFModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, storage_options=options
+        ),
         max_epochs=EPOCHS,
         callbacks=callbacks,
         enable_checkpointing=len(callbacks) > 1,  # else Lightning adds a ModelCheckpoint of its own
@@ -121,10 +149,18 @@ def record_run(trainer: L.Trainer, module: Net, losses: dict[int, float], out: s
         "losses": losses,
         "global_step": trainer.global_step,
         "params": {k: local(v) for k, v in module.state_dict().items()},
-        "optimizer": {f"{fqn}.{k}": local(v) for fqn, state in optimizer_state.items() for k, v in state.items()},
+        "optimizer": {
+            f"{fqn}.{k}": local(v)
+            for fqn, state in optimizer_state.items()
+            for k, v in state.items()
+        },
         "lr": [g["lr"] for g in optimizer.param_groups],
         "checkpoints": {
-            cb.dirpath: {"best_k": sorted(cb.best_k_models), "last": cb.last_model_path, "best": cb.best_model_path}
+            cb.dirpath: {
+                "best_k": sorted(cb.best_k_models),
+                "last": cb.last_model_path,
+                "best": cb.best_model_path,
+            }
             for cb in trainer.checkpoint_callbacks
             if isinstance(cb, ModelCheckpoint)
         },

@@ -117,12 +117,19 @@ def train(rank: int, world: int, run: Run, out: str) -> None:
     optimizer_config = default_adamw(lr=8e-4)
     optimizer_config.implementation = "foreach"
     optimizers = optimizer_config.build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0).build(
-        optimizers=optimizers, training_steps=STEPS
+    lr_schedulers = LRSchedulersContainer.Config(
+        warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+    ).build(optimizers=optimizers, training_steps=STEPS)
+    dataloader = ParallelAwareDataloader(
+        TokenStream(rank, spec.model.vocab_size),
+        dp_rank=rank,
+        dp_world_size=world,
+        batch_size=LOCAL_BATCH,
     )
-    dataloader = ParallelAwareDataloader(TokenStream(rank, spec.model.vocab_size), dp_rank=rank, dp_world_size=world, batch_size=LOCAL_BATCH)
     state = TrainState()
-    config = HFCheckpointManager.Config(enable=run.checkpoint is not None, load_step=run.load_step, **(run.checkpoint or {}))
+    config = HFCheckpointManager.Config(
+        enable=run.checkpoint is not None, load_step=run.load_step, **(run.checkpoint or {})
+    )
     checkpointer = config.build(
         dataloader=dataloader,
         model_parts=[model],
@@ -143,7 +150,11 @@ def train(rank: int, world: int, run: Run, out: str) -> None:
         else:
             assert not run.expect_error, f"{run.name}: the load was expected to fail"
         batches = iter(dataloader)  # a StatefulDataLoader hands its dataset the loaded state here
-        record["loaded"] = {"step": state.step, "last_epoch": lr_schedulers.schedulers[0].last_epoch, "position": dataloader.dataset.position}
+        record["loaded"] = {
+            "step": state.step,
+            "last_epoch": lr_schedulers.schedulers[0].last_epoch,
+            "position": dataloader.dataset.position,
+        }
         while not run.load_only and state.step < run.stop_at:
             state.step += 1
             tokens, labels = next(batches)
@@ -159,11 +170,15 @@ def train(rank: int, world: int, run: Run, out: str) -> None:
     finally:
         checkpointer.close()
     record["params"] = {k: _local(v) for k, v in model.state_dict().items()}
-    record["optimizer"] = {k: _local(v) for k, v in optimizers.state_dict().items() if isinstance(v, torch.Tensor)}
+    record["optimizer"] = {
+        k: _local(v) for k, v in optimizers.state_dict().items() if isinstance(v, torch.Tensor)
+    }
     folder = os.path.join(out, run.name)
     os.makedirs(folder, exist_ok=True)
     torch.save(record, os.path.join(folder, f"rank{rank}.pt"))
-    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    full = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+    }
     if rank == 0 and run.checkpoint is None:
         torch.save(full, os.path.join(folder, "full.pt"))
         with open(os.path.join(folder, "dims.json"), "w") as f:

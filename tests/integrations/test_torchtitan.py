@@ -26,19 +26,19 @@ import pytest
 
 pytest.importorskip(
     "torchtitan",
-    reason="torchtitan is not installed in this interpreter: tests/test_integrations.py runs tests/integrations in "
-    ".venv-integrations (created by scripts/integrations_venv.sh)",
+    reason="torchtitan is not installed in this interpreter: tests/test_integrations.py runs "
+    "tests/integrations in .venv-integrations (created by scripts/setup/integrations_venv.sh)",
 )
 
-import _titan  # noqa: E402
-import fsspec  # noqa: E402
-import torch  # noqa: E402
-from _dist import run_ranks  # noqa: E402
-from _titan import STEPS, Run  # noqa: E402
-from conftest import fresh_bucket, s3_storage_options  # noqa: E402
-from safetensors.torch import load, load_file  # noqa: E402
+import fsspec
+import torch
+from safetensors.torch import load, load_file
 
-from hf_dcp_storage.integrations.torchtitan import HFCheckpointManager  # noqa: E402
+from hf_dcp_storage.integrations.torchtitan import HFCheckpointManager
+from tests.integrations import _titan
+from tests.integrations._titan import STEPS, Run
+from tests.support.dist import run_ranks
+from tests.support.storage_options import fresh_bucket, s3_storage_options
 
 WORLD = 2
 RESUMED = {"sync": 4, "thread": 3, "s3": 4}  # the step each phase-2 job resumes from
@@ -49,58 +49,114 @@ def titan(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> dict[
     out = tmp_path_factory.mktemp("titan")
     buckets = fresh_bucket(moto_endpoint)
     bucket, options = next(buckets)
-    export = dict(last_save_model_only=True, last_save_in_hf=True, export_dtype="float32")
+    export = {"last_save_model_only": True, "last_save_in_hf": True, "export_dtype": "float32"}
     configs = {
-        "sync": dict(folder=str(out / "sync"), interval=2, keep_latest_k=0, async_mode="disabled", **export),
-        "thread": dict(folder=str(out / "thread"), interval=1, keep_latest_k=2, async_mode="async", **export),
+        "sync": dict(
+            folder=str(out / "sync"), interval=2, keep_latest_k=0, async_mode="disabled", **export
+        ),
+        "thread": dict(
+            folder=str(out / "thread"), interval=1, keep_latest_k=2, async_mode="async", **export
+        ),
         "s3": dict(
-            folder=f"{bucket}/run", interval=2, keep_latest_k=2, async_mode="async_with_pinned_mem", storage_options=options, max_shard_size="4MB", **export
+            folder=f"{bucket}/run",
+            interval=2,
+            keep_latest_k=2,
+            async_mode="async_with_pinned_mem",
+            storage_options=options,
+            max_shard_size="4MB",
+            **export,
         ),
     }
-    first = [Run("reference"), Run("sync-1", stop_at=5, checkpoint=configs["sync"]), Run("thread-1", stop_at=4, checkpoint=configs["thread"])]
+    first = [
+        Run("reference"),
+        Run("sync-1", stop_at=5, checkpoint=configs["sync"]),
+        Run("thread-1", stop_at=4, checkpoint=configs["thread"]),
+    ]
     first.append(Run("s3-1", stop_at=4, checkpoint=configs["s3"]))
     run_ranks(_titan.job, WORLD, first, str(out))
-    listed = {"first": {name: _steps(cfg["folder"], moto_endpoint) for name, cfg in configs.items()}}
-    second = [Run(f"{name}-2", checkpoint=cfg, init_seed=1, load_step=RESUMED[name] if name == "thread" else -1) for name, cfg in configs.items()]
+    listed = {
+        "first": {name: _steps(cfg["folder"], moto_endpoint) for name, cfg in configs.items()}
+    }
+    second = [
+        Run(
+            f"{name}-2",
+            checkpoint=cfg,
+            init_seed=1,
+            load_step=RESUMED[name] if name == "thread" else -1,
+        )
+        for name, cfg in configs.items()
+    ]
     second += [
-        Run("exclude", checkpoint={**configs["sync"], "exclude_from_loading": ["lr_scheduler"]}, load_step=4, init_seed=1, load_only=True),
-        Run("model-only", checkpoint=configs["sync"], init_seed=1, load_only=True, expect_error=True),
+        Run(
+            "exclude",
+            checkpoint={**configs["sync"], "exclude_from_loading": ["lr_scheduler"]},
+            load_step=4,
+            init_seed=1,
+            load_only=True,
+        ),
+        Run(
+            "model-only", checkpoint=configs["sync"], init_seed=1, load_only=True, expect_error=True
+        ),
         Run(
             "initial",
-            checkpoint=dict(folder=f"{bucket}/fresh", initial_load_path=f"{bucket}/run/step_{STEPS}", initial_load_in_hf=True, storage_options=options),
+            checkpoint={
+                "folder": f"{bucket}/fresh",
+                "initial_load_path": f"{bucket}/run/step_{STEPS}",
+                "initial_load_in_hf": True,
+                "storage_options": options,
+            },
             init_seed=2,
             load_only=True,
         ),
     ]
     run_ranks(_titan.job, WORLD, second, str(out))
     listed["second"] = {name: _steps(cfg["folder"], moto_endpoint) for name, cfg in configs.items()}
-    records = {p.name: [torch.load(p / f"rank{r}.pt") for r in range(WORLD)] for p in out.iterdir() if (p / "rank0.pt").exists()}
-    s3_export = {p.rsplit("/", 1)[-1]: b for p, b in _s3_files(f"{bucket}/run/step_{STEPS}", moto_endpoint).items()}
+    records = {
+        p.name: [torch.load(p / f"rank{r}.pt") for r in range(WORLD)]
+        for p in out.iterdir()
+        if (p / "rank0.pt").exists()
+    }
+    s3_export = {
+        p.rsplit("/", 1)[-1]: b
+        for p, b in _s3_files(f"{bucket}/run/step_{STEPS}", moto_endpoint).items()
+    }
     yield {"out": out, "records": records, "listed": listed, "s3_export": s3_export}
     next(buckets, None)
 
 
 def _steps(folder: str, endpoint: str) -> dict[str, bool]:
     """``step_N -> committed?`` under a run folder (local or on the moto endpoint)."""
-    fs, root = fsspec.core.url_to_fs(folder, **(s3_storage_options(endpoint) if folder.startswith("s3://") else {}))
-    return {p.rsplit("/", 1)[-1]: fs.exists(f"{p}/COMMITTED") for p in sorted(fs.ls(root, detail=False))}
+    fs, root = fsspec.core.url_to_fs(
+        folder, **(s3_storage_options(endpoint) if folder.startswith("s3://") else {})
+    )
+    return {
+        p.rsplit("/", 1)[-1]: fs.exists(f"{p}/COMMITTED") for p in sorted(fs.ls(root, detail=False))
+    }
 
 
 def _s3_files(folder: str, endpoint: str) -> dict[str, bytes]:
     """The weights' files of an S3 step folder (not its training state or marker)."""
     fs, root = fsspec.core.url_to_fs(folder, **s3_storage_options(endpoint))
-    return {p: fs.cat_file(p) for p in fs.ls(root, detail=False) if p.endswith((".safetensors", ".json"))}
+    return {
+        p: fs.cat_file(p)
+        for p in fs.ls(root, detail=False)
+        if p.endswith((".safetensors", ".json"))
+    }
 
 
 @pytest.mark.parametrize("name", ["sync", "thread", "s3"])
 def test_a_resumed_job_continues_bitwise_identically(titan: dict[str, Any], name: str) -> None:
-    reference, first, second = (titan["records"][k] for k in ("reference", f"{name}-1", f"{name}-2"))
+    reference, first, second = (
+        titan["records"][k] for k in ("reference", f"{name}-1", f"{name}-2")
+    )
     for rank in range(WORLD):
         ref = reference[rank]
         # Saving does not disturb training, and the resumed job replays exactly what was lost.
         assert first[rank]["losses"] == {s: ref["losses"][s] for s in first[rank]["losses"]}
         assert second[rank]["loaded"]["step"] == RESUMED[name]
-        assert second[rank]["losses"] == {s: ref["losses"][s] for s in range(RESUMED[name] + 1, STEPS + 1)}
+        assert second[rank]["losses"] == {
+            s: ref["losses"][s] for s in range(RESUMED[name] + 1, STEPS + 1)
+        }
         for part in ("params", "optimizer"):
             assert second[rank][part].keys() == ref[part].keys()
             for key, value in ref[part].items():
@@ -108,14 +164,29 @@ def test_a_resumed_job_continues_bitwise_identically(titan: dict[str, Any], name
 
 
 def test_steps_are_committed_and_kept_as_keep_latest_k_says(titan: dict[str, Any]) -> None:
-    committed = {phase: {n: sorted(s for s, done in steps.items() if done) for n, steps in runs.items()} for phase, runs in titan["listed"].items()}
-    assert committed["first"] == {"sync": ["step_2", "step_4"], "thread": ["step_3", "step_4"], "s3": ["step_2", "step_4"]}
+    committed = {
+        phase: {n: sorted(s for s, done in steps.items() if done) for n, steps in runs.items()}
+        for phase, runs in titan["listed"].items()
+    }
+    assert committed["first"] == {
+        "sync": ["step_2", "step_4"],
+        "thread": ["step_3", "step_4"],
+        "s3": ["step_2", "step_4"],
+    }
     # sync keeps every step (keep_latest_k=0); thread re-saved steps 4 and 5 after load_step=3.
-    assert committed["second"] == {"sync": ["step_2", "step_4", "step_6"], "thread": ["step_5", "step_6"], "s3": ["step_4", "step_6"]}
-    assert all(all(steps.values()) for runs in titan["listed"].values() for steps in runs.values()), "an uncommitted step folder was left"
+    assert committed["second"] == {
+        "sync": ["step_2", "step_4", "step_6"],
+        "thread": ["step_5", "step_6"],
+        "s3": ["step_4", "step_6"],
+    }
+    assert all(
+        all(steps.values()) for runs in titan["listed"].values() for steps in runs.values()
+    ), "an uncommitted step folder was left"
 
 
-def test_the_last_step_is_an_hf_export_with_the_logits_of_the_trained_model(titan: dict[str, Any]) -> None:
+def test_the_last_step_is_an_hf_export_with_the_logits_of_the_trained_model(
+    titan: dict[str, Any],
+) -> None:
     transformers = pytest.importorskip("transformers")
     folder = Path(titan["out"]) / "sync" / f"step_{STEPS}"
     reference = titan["out"] / "reference"
@@ -123,17 +194,27 @@ def test_the_last_step_is_an_hf_export_with_the_logits_of_the_trained_model(tita
     spec = _titan.model_spec()
     adapter = spec.state_dict_adapter(spec.model, None)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    exported = {k: v for f in sorted(set(index["weight_map"].values())) for k, v in load_file(folder / f).items()}
+    exported = {
+        k: v
+        for f in sorted(set(index["weight_map"].values()))
+        for k, v in load_file(folder / f).items()
+    }
     expected = adapter.to_hf(full)
-    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+    assert exported.keys() == expected.keys() and all(
+        torch.equal(exported[k], expected[k]) for k in expected
+    )
     # Weights only: the training state folder holds the ranks' JSON files, no tensors.
     assert sorted(os.listdir(folder / "training_state")) == ["rank_00000.json", "rank_00001.json"]
 
-    transformers.LlamaConfig(**json.loads((reference / "dims.json").read_text())).save_pretrained(folder)
+    transformers.LlamaConfig(**json.loads((reference / "dims.json").read_text())).save_pretrained(
+        folder
+    )
     hf_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     titan_model = spec.model.build()
     titan_model.load_state_dict(full)
-    tokens = torch.randint(0, spec.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+    tokens = torch.randint(
+        0, spec.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7)
+    )
     with torch.no_grad():
         ours, theirs = titan_model.eval()(tokens), hf_model(tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
@@ -143,14 +224,23 @@ def test_the_last_step_is_an_hf_export_with_the_logits_of_the_trained_model(tita
 def test_the_s3_export_holds_the_same_tensors_as_the_local_one(titan: dict[str, Any]) -> None:
     local = Path(titan["out"]) / "sync" / f"step_{STEPS}"
     files = titan["s3_export"]
-    theirs = {k: v for name, data in files.items() if name.endswith(".safetensors") for k, v in load(data).items()}
+    theirs = {
+        k: v
+        for name, data in files.items()
+        if name.endswith(".safetensors")
+        for k, v in load(data).items()
+    }
     ours = {k: v for f in local.glob("*.safetensors") for k, v in load_file(f).items()}
     assert len(files) == 1 + 7  # the index and 7 files of at most 4 MB (max_shard_size) ...
-    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)  # ... holding the same tensors
+    assert theirs.keys() == ours.keys() and all(
+        torch.equal(theirs[k], ours[k]) for k in ours
+    )  # ... holding the same tensors
 
 
 def test_initial_load_in_hf_from_s3_restores_the_exported_weights(titan: dict[str, Any]) -> None:
-    for rank, (got, ref) in enumerate(zip(titan["records"]["initial"], titan["records"]["reference"], strict=True)):
+    for rank, (got, ref) in enumerate(
+        zip(titan["records"]["initial"], titan["records"]["reference"], strict=True)
+    ):
         for key, value in ref["params"].items():
             assert torch.equal(got["params"][key], value), f"rank {rank} {key}"
 
@@ -161,28 +251,51 @@ def test_exclude_from_loading_leaves_those_states_fresh(titan: dict[str, Any]) -
         assert record["loaded"] == {"step": 4, "last_epoch": 0, "position": 8}
 
 
-def test_a_full_resume_from_a_weights_only_step_is_refused_with_the_way_out(titan: dict[str, Any]) -> None:
+def test_a_full_resume_from_a_weights_only_step_is_refused_with_the_way_out(
+    titan: dict[str, Any],
+) -> None:
     for record in titan["records"]["model-only"]:
-        assert "is not in the checkpoint" in record["error"] and "last_save_model_only=True holds the weights only" in record["error"]
+        assert (
+            "is not in the checkpoint" in record["error"]
+            and "last_save_model_only=True holds the weights only" in record["error"]
+        )
         assert "checkpoint.load_step" in record["error"]
 
 
 def test_config_accepts_hf_on_remote_folders_and_checks_the_rest() -> None:
     from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
 
-    remote = dict(folder="s3://bucket/run", last_save_in_hf=True, initial_load_in_hf=True, initial_load_path="s3://bucket/hf")
+    remote = {
+        "folder": "s3://bucket/run",
+        "last_save_in_hf": True,
+        "initial_load_in_hf": True,
+        "initial_load_path": "s3://bucket/hf",
+    }
     with pytest.raises(ValueError, match="last_save_in_hf is not supported with a remote"):
         CheckpointManager.Config(**remote)
     config = HFCheckpointManager.Config(**remote, storage_options={"anon": True})
     assert isinstance(config, BaseCheckpointManager.Config)  # what Trainer.Config.checkpoint holds
     # ... and what the Trainer builds from it (disabled here: no components are touched).
-    built = HFCheckpointManager.Config().build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None)
+    built = HFCheckpointManager.Config().build(
+        dataloader=None,
+        model_parts=[],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+    )
     assert type(built) is HFCheckpointManager and not built.enable
     with pytest.raises(ValueError, match="last_save_in_hf=True requires last_save_model_only=True"):
         HFCheckpointManager.Config(last_save_in_hf=True, last_save_model_only=False)
     with pytest.raises(ValueError, match="keep_latest_k cannot be negative"):
         HFCheckpointManager.Config(keep_latest_k=-1)  # torchtitan's own rules still hold
-    with pytest.raises(ValueError, match=r"initial_load_in_hf_quantized=True reads through .* local folders only"):
-        HFCheckpointManager.Config(initial_load_in_hf=True, initial_load_in_hf_quantized=True, initial_load_path="s3://b/hf")
+    with pytest.raises(
+        ValueError, match=r"initial_load_in_hf_quantized=True reads through .* local folders only"
+    ):
+        HFCheckpointManager.Config(
+            initial_load_in_hf=True,
+            initial_load_in_hf_quantized=True,
+            initial_load_path="s3://b/hf",
+        )
     with pytest.raises(ValueError, match=r"storage_options='key=x' must be None or a dict"):
         HFCheckpointManager.Config(storage_options="key=x")

@@ -1,0 +1,242 @@
+"""Pure planning of the part stores' consolidated files: parts that the ranks fill directly.
+
+On an object store that assembles a file from parts server-side (S3's multipart uploads, GCS's
+compose, Azure's block lists) a consolidated file's parts are cut so that most of them hold
+bytes of a single rank: that rank uploads them itself, straight from its tensors, and they never
+pass through any other process nor get copied afterwards (``RankPart``). A store may want every
+part but the last to hold a minimum (S3: 5 MiB; ``PartRules``), so byte runs too small for
+that (norms, biases, the header, a rank's share of a small tensor) are staged by their ranks and
+gathered into parts, each by the rank the coordinator gives it to (``GatherPart``,
+``plan/spread.py``); a short gather in front of a big run takes that run's first bytes to reach
+the minimum. The coordinator has the server assemble the file once every part is in.
+
+Both sides run the same pure code: the coordinator plans the parts (``plan_file_parts``) and every
+rank routes each byte run it writes either into one of its parts or into its staged object
+(``route_run``), in a processing order both sides reproduce, so the coordinator knows where each
+staged byte is without being told, and can tell the rank that gathers it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "GATHER_PART_BYTES",
+    "MAX_PARTS",
+    "MAX_PART_BYTES",
+    "MIN_PART_BYTES",
+    "RANK_PART_BYTES",
+    "S3_RULES",
+    "GatherPart",
+    "PartRules",
+    "RankPart",
+    "gather_part_bytes",
+    "plan_file_parts",
+    "route_run",
+]
+
+# S3's multipart rules (the strictest of the part stores, and the default): every part but the
+# last holds 5 MiB to 5 GiB; at most 10,000 parts. 5 MiB is also the least a gathered part holds
+# on every store (``gather_part_bytes``).
+MIN_PART_BYTES = 5 << 20
+MAX_PART_BYTES = 5 << 30
+MAX_PARTS = 10_000
+# Size of the parts a rank uploads (a long run is cut into parts about this big): a few of them
+# in flight per rank stay well inside the memory budget; grown only for the part-count limit.
+RANK_PART_BYTES = 16 << 20
+# Largest size of the gathered parts (each one task for one rank: fetch the staged ranges,
+# upload): up to 3x fewer tasks and uploads than at the 5 MiB minimum (48,000 instead of 155,000
+# at 405B). ``gather_part_bytes`` picks the size per save.
+GATHER_PART_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class PartRules:
+    """What a store's server-side assembly allows: every part but the last holds at least
+    ``min_part`` bytes, a file has at most ``max_parts`` parts; ``rank_part``: the size of the parts
+    a rank cuts its long runs into. S3's multipart rules (``S3_RULES``); GCS (compose) and Azure
+    (block lists) have no minimum, so their ranks send shorter runs of their own
+    (``plan/gcsplan.py``,
+    ``plan/azureplan.py``)."""
+
+    min_part: int = MIN_PART_BYTES
+    max_parts: int = MAX_PARTS
+    rank_part: int = RANK_PART_BYTES
+
+
+S3_RULES = PartRules()
+
+
+def gather_part_bytes(total: int, world: int, min_part: int = MIN_PART_BYTES) -> int:
+    """Size of a save's gathered parts: small enough that the work spreads evenly, as large as
+    that allows (fewer tasks, fewer requests). Ranks' loads end within one task of each other
+    (``plan/spread.assign``) and a task counts twice its size, so with every byte gathered the
+    busiest rank moves at most ``1 + 2 * part / (3 * share)`` times the mean (``share``: a rank's
+    own bytes, ``total / world``); a part of 3/40 of the share keeps that under 1.05. Between S3's
+    5 MiB minimum (a store's ``min_part``, where it has a smaller one) and ``GATHER_PART_BYTES``."""
+    return int(
+        min(GATHER_PART_BYTES, max(MIN_PART_BYTES, min_part, 3 * total // (40 * max(1, world))))
+    )
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """Part ``number``: file bytes ``[start, end)``, all held by ``rank``, which uploads them.
+
+    With ``header`` the part starts with the file's header (bytes ``[0, start)``), which the
+    rank gets in its plan: a file whose first data run is big needs no gathered first part.
+    """
+
+    number: int
+    rank: int
+    start: int
+    end: int
+    header: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class GatherPart:
+    """Part ``number``: file bytes ``[start, end)`` (the header's among them, if ``start`` is 0),
+    staged by several ranks and assembled by one (``plan/spread.GatherTask``)."""
+
+    number: int
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def plan_file_parts(
+    header_len: int,
+    size: int,
+    run_starts: np.ndarray,
+    run_bytes: np.ndarray,
+    run_ranks: np.ndarray,
+    *,
+    min_part: int = MIN_PART_BYTES,
+    rank_part: int = RANK_PART_BYTES,
+    gather_part: int = GATHER_PART_BYTES,
+    max_parts: int = MAX_PARTS,
+) -> list[RankPart | GatherPart]:
+    """Cut a file of ``size`` bytes into multipart parts: ranks' own parts wherever a run allows.
+
+    The runs (arrays, in file order after a ``header_len``-byte header, tiling the rest of the
+    file) are maximal: two neighbours never have the same rank; rank ``-1`` marks bytes of
+    several ranks interleaved (a column-sharded tensor), which are always gathered. A run of at
+    least ``min_part`` bytes becomes its rank's parts of about ``rank_part`` bytes; the bytes
+    between such runs are cut evenly into gathered parts of about ``gather_part`` bytes, at
+    least ``min_part`` (but the file's last part); a gap under ``min_part`` before a big run
+    takes that run's first bytes to reach it, or, if too little would be left, the whole run. A
+    gathered part whose bytes (the header aside) all belong to one rank is that rank's to send.
+    Pure; a Python step per big run and an object per part, numpy per run and per part, so a
+    file of a million small runs costs little.
+
+    Raises:
+        ValueError: the runs do not tile the file, or the file needs more than ``max_parts`` parts
+            (S3: 10,000).
+    """
+    ends = run_starts + run_bytes
+    if len(run_starts) and (
+        run_starts[0] != header_len or (run_starts[1:] != ends[:-1]).any() or ends[-1] != size
+    ):
+        raise ValueError(
+            f"byte runs of a {size}-byte file with a {header_len}-byte header do not tile it"
+        )
+    if not len(run_starts) and size != header_len:
+        raise ValueError(f"no byte runs for the {size - header_len} data bytes of the file")
+    # Both part sizes grow for a huge file so that each kind stays under half the part limit.
+    rank_part = max(rank_part, 2 * min_part, -(-size // (max_parts // 2)))
+    gather_target = max(min_part, gather_part, -(-size // (max_parts // 2)))
+    segments: list[
+        tuple[np.ndarray, int, bool]
+    ] = []  # (edges, rank or -1 gathered, header in front)
+
+    def gather(a: int, b: int) -> None:
+        count = max(1, (b - a) // gather_target)
+        segments.append((a + (b - a) * np.arange(count + 1, dtype=np.int64) // count, -1, False))
+
+    pos = 0  # bytes before pos have their parts
+    for i in np.flatnonzero((run_bytes >= min_part) & (run_ranks >= 0)).tolist():
+        s, n, r = int(run_starts[i]), int(run_bytes[i]), int(run_ranks[i])
+        gap, head = s - pos, False
+        if gap and pos == 0 and gap == header_len:
+            head = True  # only the header before: the rank sends it in front of its bytes
+        elif gap >= min_part:
+            gather(pos, s)
+        elif gap:
+            need = min_part - gap
+            if n - need < min_part:
+                continue  # too little would be left for a part of its own: all gathered
+            segments.append((np.array([pos, s + need], dtype=np.int64), -1, False))
+            s, n = s + need, n - need
+        count = -(-n // rank_part)
+        segments.append((s + n * np.arange(count + 1, dtype=np.int64) // count, r, head))
+        pos = int(ends[i])
+    if pos < size:
+        gather(pos, size)
+    if not segments:
+        return []
+    start = np.concatenate([e[:-1] for e, _, _ in segments])
+    end = np.concatenate([e[1:] for e, _, _ in segments])
+    if len(start) > max_parts:
+        raise ValueError(
+            f"the file needs {len(start)} parts, over the store's limit of {max_parts}; lower "
+            "max_shard_size"
+        )
+    rank = np.concatenate([np.full(len(e) - 1, r, dtype=np.int64) for e, r, _ in segments])
+    header = np.zeros(len(start), dtype=bool)
+    header[np.cumsum([0] + [len(e) - 1 for e, _, _ in segments[:-1]])] = [h for _, _, h in segments]
+    # A gathered part of one rank's bytes (the header aside): that rank sends it, nothing staged.
+    if len(run_starts):
+        at = np.maximum(start, header_len)
+        run = np.maximum(np.searchsorted(run_starts, at, side="right") - 1, 0)
+        one = (
+            (rank < 0)
+            & (at < end)
+            & (run_starts[run] <= at)
+            & (run_ranks[run] >= 0)
+            & (ends[run] >= end)
+        )
+        header |= one & (start == 0) & (header_len > 0)
+        rank = np.where(one, run_ranks[run], rank)
+        start = np.where(one, at, start)
+    return [
+        RankPart(j, r, a, b, header=h) if r >= 0 else GatherPart(j, a, b)
+        for j, r, a, b, h in zip(
+            range(1, len(start) + 1),
+            rank.tolist(),
+            start.tolist(),
+            end.tolist(),
+            header.tolist(),
+            strict=True,
+        )
+    ]
+
+
+def route_run(
+    start: int, n: int, part_starts: Sequence[int], parts: Sequence[RankPart]
+) -> Iterator[tuple[int, int, RankPart | None]]:
+    """Split the file run ``[start, start + n)`` into ``(start, nbytes, part)`` pieces: the piece
+    lies in one of ``parts`` (a rank's own, sorted by start; ``part_starts`` their starts), or,
+    with ``part`` ``None``, between them (a staged piece). Pure."""
+    end = start + n
+    while start < end:
+        i = bisect.bisect_right(part_starts, start) - 1
+        if i >= 0 and start < parts[i].end:
+            take = min(end, parts[i].end) - start
+            yield start, take, parts[i]
+        else:
+            nxt = part_starts[i + 1] if i + 1 < len(parts) else end
+            take = min(end, nxt) - start
+            yield start, take, None
+        start += take

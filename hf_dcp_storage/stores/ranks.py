@@ -1,0 +1,107 @@
+"""What every rank does in a save, whatever its store (``HFStorageWriter.write_data`` runs it):
+write its own bytes through the store and record them (``write_own``), meet the other ranks
+around that when the save has finishing work (``run_rank``), then do its share of that work
+(``finish_tasks``). A failure anywhere aborts what the store can (S3: every upload of the save),
+so that no rank goes on writing a doomed checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..io import fsio, meeting
+from ..io.parallel import parallel_map
+from ..io.records import rank_record, rank_record_name
+from ..plan.rankplan import FINISHED, Finished, RankPlan
+from .base import STAGING_DIR, Slabs, Store
+
+__all__ = ["finish_tasks", "run_rank", "write_own"]
+
+
+def run_rank(
+    store: Store,
+    rank_plan: RankPlan,
+    write: Callable[[], list[WriteResult]],
+    *,
+    rank_timeout: float,
+    where: str,
+) -> list[WriteResult]:
+    """(each rank) ``write()`` this rank's own bytes; where the save has finishing work
+    (``rank_plan.meet``), the ranks meet once every one has written, so none gathers bytes a
+    failed rank never staged.
+
+    Raises:
+        RuntimeError: another rank failed to write (naming it); the store is aborted.
+    """
+    meet = (
+        meeting.Meeting(rank_plan.save_id, rank_plan.rank, rank_plan.world, rank_timeout)
+        if rank_plan.meet
+        else None
+    )
+    try:
+        if meet is not None:
+            meet.start()
+        try:
+            results = write()
+        except BaseException:
+            if meet is not None:
+                # Arrive anyway, as failed: the others are waiting for every rank, and stop too.
+                with contextlib.suppress(Exception):
+                    meet.arrive_failed()
+            raise
+        failed = meet.arrive_and_wait() if meet is not None else []
+    finally:
+        if meet is not None:
+            meet.stop()
+    if failed:
+        store.abort(rank_plan)  # every rank is past its writes: clean up after them
+        shown = failed if len(failed) <= 16 else [*failed[:16], "..."]
+        raise RuntimeError(
+            f"ranks {shown} of {rank_plan.world} failed to write their bytes (their errors tell "
+            f"why), so rank {rank_plan.rank} gathers nothing and the save fails; the checkpoint "
+            f"at {where} is not committed"
+        )
+    return results
+
+
+def write_own(
+    store: Store, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs
+) -> list[WriteResult]:
+    """(each rank) This rank's own bytes, then its record (what lets ``hf-dcp consolidate``
+    finish the save); a failure aborts what the store can."""
+    try:
+        results = store.write(items, rank_plan, slabs)
+        record = rank_record(rank_plan.save_id, rank_plan.rank, items, results).encode()
+        store.put(fsio.join(store.root, STAGING_DIR, rank_record_name(rank_plan.rank)), record)
+    except BaseException:
+        store.abort(rank_plan)
+        raise
+    return results
+
+
+def finish_tasks(store: Store, rank_plan: RankPlan, threads: int) -> WriteResult:
+    """(each rank given finishing work, once every rank has staged) Run its tasks on the store;
+    one result for the coordinator: the parts it gathered, the files it merged, its bytes. A
+    failure aborts what the store can, as a failed write does."""
+    tasks: list[Any] = list(rank_plan.tasks)  # GatherTask or MergeTask: each has nbytes
+    try:
+        done = parallel_map(lambda task: store.run_task(task, rank_plan), tasks, threads)
+    except BaseException:
+        store.abort(rank_plan)
+        raise
+    parts: dict[int, list[dict[str, Any]]] = {}
+    merged = []
+    for file, etag in done:
+        if etag is None:
+            merged.append(file)
+        else:
+            parts.setdefault(file, []).append(etag)
+    nbytes = sum(t.nbytes for t in tasks)
+    return WriteResult(
+        FINISHED, nbytes, Finished({f: tuple(e) for f, e in parts.items()}, tuple(merged), nbytes)
+    )

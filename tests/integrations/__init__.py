@@ -1,0 +1,2 @@
+"""The trainer integrations' tests, run in ``.venv-integrations`` (by
+``tests/test_integrations.py``)."""
