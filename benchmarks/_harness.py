@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from tests.support.storage_options import FAKE_AWS_ENV, UNSET_AWS_ENV, s3_storage_options
+
 if TYPE_CHECKING:
     import torch
 
@@ -149,50 +151,21 @@ T = TypeVar("T")
 # Environment
 # ------------------------------------------------------------------------------------------------
 
-# Fake credentials and a sealed AWS environment, as in tests/support/storage_options.py: nothing
-# from the developer's machine (profiles, real keys, a configured endpoint, a proxy) reaches a
-# benchmark.
-FAKE_AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_CONFIG_FILE": "/nonexistent/hf_dcp_storage_bench/aws_config",
-    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/hf_dcp_storage_bench/aws_credentials",
-    "AWS_EC2_METADATA_DISABLED": "true",
-    "NO_PROXY": "127.0.0.1,localhost",
-    "no_proxy": "127.0.0.1,localhost",
-}
-UNSET_AWS_ENV = (
-    "AWS_PROFILE",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_REGION",
-)
-
 
 def seal_aws_env() -> None:
-    """Set ``FAKE_AWS_ENV`` and drop ``UNSET_AWS_ENV`` in ``os.environ`` (spawned ranks inherit
-    it)."""
+    """Set the tests' fake credentials (``FAKE_AWS_ENV``) and drop ``UNSET_AWS_ENV`` in
+    ``os.environ`` (spawned ranks inherit it): nothing from the developer's machine (profiles,
+    real keys, a configured endpoint, a proxy) reaches a benchmark."""
     os.environ.update(FAKE_AWS_ENV)
     for k in UNSET_AWS_ENV:
         os.environ.pop(k, None)
 
 
 def storage_options(endpoint: str, block_size: int | None = None) -> dict:
-    """tests/support/storage_options.py's ``s3_storage_options`` (the same for moto and radosgw);
+    """The tests' ``s3_storage_options`` (the same for moto and radosgw), with
     ``default_block_size`` only when given (otherwise s3fs's own default, 50 MiB, applies)."""
-    opts: dict[str, Any] = {
-        "anon": False,
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {
-            "endpoint_url": endpoint
-        },  # no region_name: moto refuses bucket creation with it
-        "skip_instance_cache": True,
-        "use_listings_cache": False,
-    }
+    opts: dict[str, Any] = s3_storage_options(endpoint)
+    del opts["default_block_size"]
     if block_size:
         opts["default_block_size"] = block_size
     return opts

@@ -217,8 +217,9 @@ def rank_save_plan(
 
 def count_runs(shapes: Sequence[tuple[str, Shape]], mesh: Mesh) -> int:
     """Contiguous byte runs of all distinct non-empty chunks in their files, as
-    ``_layout.chunk_runs`` cuts them (a row shard is one run, a column shard one run per row);
-    replicated and empty chunks count once, as DCP's dedup keeps one copy. Closed form, no plans."""
+    ``format.geometry.chunk_runs`` cuts them (a row shard is one run, a column shard one run
+    per row); replicated and empty chunks count once, as DCP's dedup keeps one copy. Closed form,
+    no plans."""
     total = 0
     for _, shape in shapes:
         pieces = _pieces_per_dim(shape, mesh)  # non-empty shard lengths of each tensor dimension

@@ -84,20 +84,15 @@ from benchmarks._synthetic_plans import (
     rank_save_plan,
 )
 from hf_dcp_storage import HFLoadPlanner, HFStorageReader, HFStorageWriter
+from hf_dcp_storage.format.geometry import element_size
 from hf_dcp_storage.format.index import INDEX_NAME, recorded_headers
 from hf_dcp_storage.io.fsio import STREAM_PART_BYTES
-from hf_dcp_storage.io.records import SaveRecord
-from hf_dcp_storage.plan.layout import (
-    Layout,
-    collect_tensor_specs,
-    element_size,
-    place_items,
-    plan_layout,
-)
+from hf_dcp_storage.plan.layout import Layout, collect_tensor_specs, place_items, plan_layout
 from hf_dcp_storage.plan.layout import index_bytes as _index_bytes
 from hf_dcp_storage.plan.parts import MAX_PARTS, MIN_PART_BYTES, GatherPart, RankPart
 from hf_dcp_storage.plan.placed import place_items as place_written
 from hf_dcp_storage.plan.rankplan import rank_plans as writer_rank_plans
+from hf_dcp_storage.session.records import SaveRecord
 from hf_dcp_storage.stores import store_for_mode
 
 __all__ = [

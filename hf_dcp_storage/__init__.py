@@ -25,7 +25,7 @@ _EXPORTS = {
     "HFStorageReader": "reader",
     "HFSavePlanner": "planner",
     "HFLoadPlanner": "planner",
-    "RetryPolicy": "io.retry",
+    "RetryPolicy": "stores.retry",
     "CheckpointManager": "steps.manager",
     "inspect_checkpoint": "tools.inspection",
     "verify_checkpoint": "tools.verify",
@@ -52,11 +52,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .io.retry import RetryPolicy
     from .planner import HFLoadPlanner, HFSavePlanner
     from .reader import HFStorageReader
     from .steps.manager import CheckpointManager
     from .steps.runs import list_steps, prune_run
+    from .stores.retry import RetryPolicy
     from .tools.consolidate import consolidate_checkpoint
     from .tools.convert import convert_dcp_to_hf, convert_hf_to_dcp
     from .tools.inspection import inspect_checkpoint

@@ -23,20 +23,20 @@ from torch.futures import Future
 
 from .format.compare import header_difference
 from .format.crc import crc32_of
+from .format.geometry import chunk_runs, element_size
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
-from .io.claim import Claim, released_on_error
 from .io.direct import check_direct_io
 from .io.files import load_weight_map, read_header
 from .io.hostbuf import KeptHostBuffers, from_host
 from .io.parallel import check_thread_count, parallel_map
-from .io.retry import RetryPolicy, policy_or_default
 from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
-from .plan.layout import chunk_runs, element_size
 from .plan.reads import READ_GAP_BYTES
+from .session.claim import Claim, released_on_error
 from .stores import ranges_for
 from .stores.base import Ranges
+from .stores.retry import RetryPolicy, policy_or_default
 
 __all__ = ["HFStorageReader"]
 
@@ -67,7 +67,7 @@ class HFStorageReader(StorageReader):
     file's header and validates them; (all ranks) ``read_data`` reads each requested region
     into the destination tensors, converting dtype where the destination differs. A reader
     holds one load at a time: ``reset`` (or ``set_up_storage_reader``) takes it for a load and
-    ``read_data`` gives it back, done or failed (``io/claim.py``); a load from another thread
+    ``read_data`` gives it back, done or failed (``session/claim.py``); a load from another thread
     meanwhile is refused before it changes anything.
 
     Args:
@@ -126,11 +126,10 @@ class HFStorageReader(StorageReader):
         self._ranges: Ranges | None = None  # how this store's byte ranges are read
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self.storage_data: dict[MetadataIndex, _Stored] = {}
-        self._kept: list[
-            ReadItem
-        ] = []  # this rank's read items, between prepare_local_plan and read_data
+        # This rank's read items, between prepare_local_plan and read_data.
+        self._kept: list[ReadItem] = []
         self._host = KeptHostBuffers(thread_count)
-        # The load using this reader (io/claim.py): a reader holds one load's state at a time.
+        # The load using this reader (session/claim.py): a reader holds one load's state at a time.
         self.claim = Claim("HFStorageReader", "load", "loading", "a dcp.load in another thread")
         if path is not None:
             self._start(path)  # not a load yet: the constructing thread takes no claim
@@ -391,11 +390,11 @@ class HFStorageReader(StorageReader):
         Retried as a whole: the index (and a folder's listing) is read through fsspec, and s3fs
         retries neither a 500 nor a connection reset. A permanent failure keeps its own error.
         """
-        return self.retry.call(
+        assert self._ranges is not None
+        return self._ranges.retried(
             lambda: load_weight_map(self.fs, self.root, self._read_range),
             operation="read the index of",
             url=fsio.url_of(self.fs, self.root),
-            keep_permanent=True,
         )
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
@@ -405,11 +404,11 @@ class HFStorageReader(StorageReader):
     def _read_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int]:
         # Retried as a whole, as the index is: the file's size comes through fsspec (a HEAD that
         # s3fs does not retry on a 500); a permanent failure (a corrupt header) keeps its error.
-        header = self.retry.call(
+        assert self._ranges is not None
+        header = self._ranges.retried(
             lambda: read_header(self.fs, self.root, file, self._read_range),
             operation="read the header of",
             url=self._url(file),
-            keep_permanent=True,
         )
         return header.by_name, header.data_start
 

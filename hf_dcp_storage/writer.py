@@ -19,13 +19,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .io import fsio, meeting
-from .io.claim import Claim, released_on_error
+from .io import fsio
 from .io.direct import check_direct_io
 from .io.hostbuf import KeptHostBuffers
 from .io.items import item_slabs
 from .io.parallel import check_thread_count
-from .io.retry import RetryPolicy, policy_or_default
 from .plan.compact import LocalChunks, encode_local, plan_save
 from .plan.layout import Layout, parse_size, whole_tensor_metadata
 from .plan.rankplan import (
@@ -37,8 +35,11 @@ from .plan.rankplan import (
     rank_plans,
     unpack_table,
 )
+from .session import meeting
+from .session.claim import Claim, released_on_error
 from .stores import coordinator, open_store, ranks
 from .stores.base import STAGING_DIR, MergeStats, Store
+from .stores.retry import RetryPolicy, policy_or_default
 
 __all__ = ["MERGE_STATS_KEY", "STAGING_DIR", "HFStorageWriter"]
 
@@ -65,7 +66,7 @@ class HFStorageWriter(StorageWriter):
        each key, headers, byte position of every chunk; each tensor's chunks must tile it; one
        writer per replicated chunk, spread by bytes) and the store's finishing work; the store
        prepares the destination (refusing a complete checkpoint unless ``overwrite=True``); the
-       plan is recorded in ``.hf_dcp_staging/save.json`` (``io/records.py``).
+       plan is recorded in ``.hf_dcp_staging/save.json`` (``session/records.py``).
     3. (all ranks) ``write_data``: each rank writes its own bytes through the store and records
        them; where bytes were staged, the ranks meet and each does its share of the finishing
        work (gathered parts, merged files): ``stores/ranks.py``.
@@ -73,7 +74,7 @@ class HFStorageWriter(StorageWriter):
        commit; ``stores/coordinator.py``); ``.hf_dcp_staging/`` is removed. If the coordinator
        dies before the index, the records let ``hf-dcp consolidate`` run this step later.
     One save at a time: ``reset`` (or ``storage_meta``) takes the writer, its last step on the
-    rank gives it back, done or failed (``io/claim.py``).
+    rank gives it back, done or failed (``session/claim.py``).
 
     Args:
         path: a local folder or any fsspec URL (``file://``, ``memory://``, ``s3://``...); may be

@@ -1,7 +1,8 @@
 """The layout of the package, pinned: one module per destination kind, the writer only speaks DCP,
 and data flows down the layers without climbing back.
 
-    integrations -> tools -> steps -> writer, reader, planner -> stores -> io -> plan -> format
+    integrations -> tools -> steps -> writer, reader, planner -> stores -> io, session -> plan
+    -> format
 
 A module imports only from its own layer or the layers below (function-level imports count:
 they are dependencies too); there is no import cycle; a trainer integration builds on the public
@@ -24,6 +25,7 @@ LAYERS = {
     "format": 0,
     "plan": 1,
     "io": 2,
+    "session": 2,
     "stores": 3,
     "writer": 4,
     "reader": 4,
@@ -74,6 +76,11 @@ def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) ->
         ):
             found.add(node.module.removeprefix("hf_dcp_storage."))
     return {m for m in found if m in modules and m != name}
+
+
+def _imported_names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules an import statement names: each of ``import a, b.c``; the ``from`` module."""
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
 
 
 def _layer(name: str) -> int:
@@ -141,11 +148,7 @@ def test_each_trainer_is_imported_by_its_integration_alone() -> None:
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = (
-                    [a.name for a in node.names]
-                    if isinstance(node, ast.Import)
-                    else [node.module or ""]
-                )
+                names = _imported_names(node)
                 offenders += [
                     f"{name}: imports {n}"
                     for n in names
@@ -207,11 +210,7 @@ def test_pure_packages_touch_no_file(package: str) -> None:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = (
-                    [a.name for a in node.names]
-                    if isinstance(node, ast.Import)
-                    else [node.module or ""]
-                )
+                names = _imported_names(node)
                 offenders += [
                     f"{name}: imports {n}"
                     for n in names
@@ -238,11 +237,7 @@ def test_s3_requests_only_in_the_s3_store() -> None:
             ):
                 offenders.append(f"{name}:{node.lineno} .{node.attr}")
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = (
-                    [a.name for a in node.names]
-                    if isinstance(node, ast.Import)
-                    else [node.module or ""]
-                )
+                names = _imported_names(node)
                 offenders += [
                     f"{name}: imports {n}"
                     for n in names
@@ -269,7 +264,23 @@ _BACKEND_WORDS = {
     "GCSFileSystem",
     "AzureBlobFileSystem",
 }
-_STORES_SURFACE = {"stores", "stores.base", "stores.registry", "stores.ranks", "stores.coordinator"}
+_STORES_SURFACE = {
+    "stores",
+    "stores.base",
+    "stores.registry",
+    "stores.ranks",
+    "stores.coordinator",
+    "stores.retry",
+}
+# Error shapes of one SDK each (an S3 code, an Azure code, a botocore / azure.core class name),
+# and the one module that may name each: the store's own requests.
+_ERROR_SHAPES = {
+    "SlowDown": "stores.s3_requests",
+    "NoSuchUpload": "stores.s3_requests",
+    "EndpointConnectionError": "stores.s3_requests",
+    "BlobNotFound": "stores.azure_requests",
+    "ServiceResponseError": "stores.azure_requests",
+}
 
 
 def _backend_branches(name: str, tree: ast.AST) -> list[str]:
@@ -336,6 +347,26 @@ def test_the_registry_is_the_one_place_a_filesystem_is_told_apart() -> None:
         )
     ]
     assert offenders == []
+
+
+def test_each_store_s_error_rules_live_beside_its_requests() -> None:
+    # The retry policy judges a failure by the rules of the store that raised it (Store.errors):
+    # no SDK's error codes or class names in the retry module or anywhere else.
+    offenders = [
+        f"{name}:{node.lineno} {node.value!r}"
+        for name, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant)
+        and node.value in _ERROR_SHAPES
+        and name != _ERROR_SHAPES[node.value]
+    ]
+    assert offenders == []
+    from hf_dcp_storage.stores.registry import _BACKENDS
+    from hf_dcp_storage.stores.retry import FSSPEC_ERRORS, ErrorRules
+
+    rules = {b.mode: b.store_class().errors for b in _BACKENDS}
+    assert all(isinstance(r, ErrorRules) for r in rules.values())
+    assert len({id(rules[m]) for m in ("s3", "gcs", "azure")} | {id(FSSPEC_ERRORS)}) == 4
 
 
 def test_the_backend_checks_see_a_branch() -> None:

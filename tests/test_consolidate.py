@@ -25,8 +25,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from hf_dcp_storage import HFStorageWriter
 from hf_dcp_storage import writer as writer_module
 from hf_dcp_storage.format.header import TensorEntry, encode_header
-from hf_dcp_storage.io.records import ItemRecord, RankRecord, RecordError, SaveRecord
 from hf_dcp_storage.plan.layout import layout_from_files
+from hf_dcp_storage.session.records import ItemRecord, RankRecord, RecordError, SaveRecord
 from hf_dcp_storage.tools.consolidate import consolidate_checkpoint
 from hf_dcp_storage.tools.inspection import inspect_checkpoint
 from tests.support.checks import raises_in_checkpoint

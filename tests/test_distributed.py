@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from hf_dcp_storage import HFLoadPlanner, HFSavePlanner, HFStorageReader, HFStorageWriter
-from hf_dcp_storage.io.records import RankRecord, rank_record_name
+from hf_dcp_storage.session.records import RankRecord, rank_record_name
 from tests.support.data import (
     ALL_DTYPES,
     DTYPE_IDS,

@@ -115,7 +115,7 @@ def test_a_save_killed_while_completing_is_finished_but_a_stale_file_is_never_ta
     if lost:
         # A lifecycle rule (or a later save) aborted the open upload: the old object of that
         # name, the same size, must not pass for the new save's file.
-        from hf_dcp_storage.io.retry import RetryPolicy
+        from hf_dcp_storage.stores.retry import RetryPolicy
         from hf_dcp_storage.stores.s3_requests import S3
 
         s3 = S3(fs, RetryPolicy())
@@ -159,8 +159,8 @@ def test_fake_gcs_server_ignores_the_generation_preconditions_of_compose_sources
     # generation when it composes onto an existing object.
     import gcsfs
 
-    from hf_dcp_storage.io.retry import RetryPolicy
     from hf_dcp_storage.stores.gcs_requests import GCS
+    from hf_dcp_storage.stores.retry import RetryPolicy
 
     bucket, options = gcs
     g = GCS(gcsfs.GCSFileSystem(skip_instance_cache=True, **options), RetryPolicy(max_attempts=1))

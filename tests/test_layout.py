@@ -14,11 +14,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from hf_dcp_storage.format.geometry import chunk_runs
 from hf_dcp_storage.format.header import decode_header
 from hf_dcp_storage.format.index import shard_name
 from hf_dcp_storage.plan.layout import (
     TensorSpec,
-    chunk_runs,
     collect_tensor_specs,
     parse_size,
     place_items,

@@ -1,7 +1,7 @@
 """A rank that dies before the ranks meet: the others stop waiting after ``rank_timeout``.
 
 On object stores the ranks of a save meet on the job's key-value store once they have staged
-their bytes (``io/meeting.py``). A rank killed before it arrives never arrives; the others must
+their bytes (``session/meeting.py``). A rank killed before it arrives never arrives; the others must
 fail within about ``rank_timeout`` seconds, naming it, and commit nothing. A rank that is only
 slow keeps beating and is waited for.
 """

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dcp_storage.plan.layout import chunk_runs
+from hf_dcp_storage.format.geometry import chunk_runs
 from hf_dcp_storage.plan.parts import (
     GATHER_PART_BYTES,
     MAX_PART_BYTES,

@@ -1,4 +1,5 @@
-"""``RetryPolicy``: which failures are retried, how long it waits, what it says when it gives up."""
+"""``RetryPolicy``: which failures are retried (by the rules of the store that raised them), how
+long it waits, what it says when it gives up."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import random
 import pytest
 
 from hf_dcp_storage import RetryPolicy
-from hf_dcp_storage.io import retry
-from hf_dcp_storage.io.retry import RemoteOperationError, is_transient
+from hf_dcp_storage.stores import retry
+from hf_dcp_storage.stores.azure_requests import AZURE_ERRORS
+from hf_dcp_storage.stores.gcs_requests import GCS_ERRORS
+from hf_dcp_storage.stores.retry import FSSPEC_ERRORS, ErrorRules, RemoteOperationError, StoreError
+from hf_dcp_storage.stores.s3_requests import S3_ERRORS
 
 
 class _ClientError(Exception):
@@ -27,25 +31,93 @@ class ClientPayloadError(Exception):  # aiohttp's name for a body cut short
     pass
 
 
+class _HttpResponseError(Exception):
+    """Shaped like azure.core's HttpResponseError: ``status_code`` and ``error_code``."""
+
+    def __init__(self, status: int, code: str) -> None:
+        super().__init__(f"({code}) status {status}")
+        self.status_code, self.error_code = status, code
+
+
+class ServiceResponseError(Exception):  # azure.core's name for a connection dropped mid-answer
+    pass
+
+
+class EndpointConnectionError(Exception):  # botocore's name for an endpoint not reached
+    pass
+
+
 @pytest.mark.parametrize(
-    "exc,transient",
+    "rules,exc,transient",
     [
-        (_ClientError("SlowDown", 503), True),
-        (_ClientError("InternalError", 500), True),
-        (_ClientError("RequestTimeout", 400), True),
-        (_ClientError("AccessDenied", 403), False),
-        (_ClientError("NoSuchBucket", 404), False),
-        (_ClientError("NotImplemented", 501), False),
-        (ConnectionResetError(), True),
-        (TimeoutError(), True),
-        (ClientPayloadError("Response payload is not completed"), True),
-        (FileNotFoundError("x"), False),
-        (PermissionError("x"), False),
-        (ValueError("bad"), False),
+        (S3_ERRORS, _ClientError("SlowDown", 503), True),
+        (S3_ERRORS, _ClientError("InternalError", 500), True),
+        (S3_ERRORS, _ClientError("RequestTimeout", 400), True),
+        (S3_ERRORS, _ClientError("AccessDenied", 403), False),
+        (S3_ERRORS, _ClientError("NoSuchBucket", 404), False),
+        (S3_ERRORS, _ClientError("NotImplemented", 501), False),
+        (S3_ERRORS, EndpointConnectionError(), True),
+        (GCS_ERRORS, StoreError("rate limited", status=429), True),
+        (GCS_ERRORS, StoreError("backend error", status=503), True),
+        (GCS_ERRORS, StoreError("precondition failed", status=412), False),
+        (AZURE_ERRORS, _HttpResponseError(503, "ServerBusy"), True),
+        (AZURE_ERRORS, _HttpResponseError(404, "BlobNotFound"), False),
+        (AZURE_ERRORS, ServiceResponseError("connection dropped"), True),
+        # What every store shares: Python's connection errors, aiohttp's, Python's permanent ones.
+        *(
+            case
+            for rules in (S3_ERRORS, GCS_ERRORS, AZURE_ERRORS, FSSPEC_ERRORS)
+            for case in (
+                (rules, ConnectionResetError(), True),
+                (rules, TimeoutError(), True),
+                (rules, ClientPayloadError("Response payload is not completed"), True),
+                (rules, FileNotFoundError("x"), False),
+                (rules, PermissionError("x"), False),
+                (rules, ValueError("bad"), False),
+            )
+        ),
     ],
 )
-def test_classification(exc: BaseException, transient: bool) -> None:
-    assert is_transient(exc) is transient
+def test_classification(rules: ErrorRules, exc: BaseException, transient: bool) -> None:
+    assert rules.transient(exc) is transient
+
+
+@pytest.mark.parametrize(
+    "rules,exc",
+    [
+        (GCS_ERRORS, _ClientError("SlowDown", 503)),
+        (FSSPEC_ERRORS, _ClientError("SlowDown", 503)),
+        (S3_ERRORS, _HttpResponseError(503, "ServerBusy")),
+        (FSSPEC_ERRORS, EndpointConnectionError()),
+        (S3_ERRORS, ServiceResponseError("connection dropped")),
+    ],
+)
+def test_a_store_reads_its_own_errors_only(rules: ErrorRules, exc: BaseException) -> None:
+    """Each store's rules know its own SDK's shapes: another SDK's transient error is none of
+    theirs (and so permanent), which is what keeps a backend's knowledge in its own module."""
+    assert rules.transient(exc) is False
+
+
+@pytest.mark.parametrize(
+    "rules,exc,kind",
+    [
+        (S3_ERRORS, _ClientError("NoSuchKey", 404), FileNotFoundError),
+        (S3_ERRORS, _ClientError("SignatureDoesNotMatch", 403), PermissionError),
+        (GCS_ERRORS, StoreError("no such object", status=404), FileNotFoundError),
+        (GCS_ERRORS, StoreError("forbidden", status=403), PermissionError),
+        (AZURE_ERRORS, _HttpResponseError(404, "ContainerNotFound"), FileNotFoundError),
+        (AZURE_ERRORS, _HttpResponseError(403, "AuthorizationFailure"), PermissionError),
+        (AZURE_ERRORS, _HttpResponseError(409, "BlobAlreadyExists"), RemoteOperationError),
+    ],
+)
+def test_each_store_names_what_is_missing_or_refused(
+    rules: ErrorRules, exc: BaseException, kind: type
+) -> None:
+    with pytest.raises(kind, match=r"^GET az://c/b failed: .*\(not retried") as info:
+        RetryPolicy().call(
+            _flaky([exc])[0], operation="GET", url="az://c/b", errors=rules, sleep=pytest.fail
+        )
+    assert type(info.value) is kind
 
 
 def _flaky(failures: list[BaseException]):
@@ -71,7 +143,10 @@ def test_transient_failures_are_retried_with_growing_jittered_sleeps(
     monkeypatch.setattr(
         retry, "random", random.Random(20261203)
     )  # the jitter's draws, of a seed of its own
-    assert policy.call(fn, operation="GET", url="s3://b/k", sleep=sleeps.append) == "ok"
+    assert (
+        policy.call(fn, operation="GET", url="s3://b/k", errors=S3_ERRORS, sleep=sleeps.append)
+        == "ok"
+    )
     assert len(calls) == 4
     # Full jitter: attempt k sleeps uniform(0, min(max_delay, base_delay * 2**k)), so the bounds
     # grow 1, 2, 4 -> capped at 3; the same draws from the same seed pin them exactly.
@@ -87,7 +162,7 @@ def test_attempts_run_out_with_a_message_naming_operation_url_and_fix() -> None:
         r".*SlowDown.*raise RetryPolicy\(max_attempts=\.\.\., deadline=\.\.\.\)",
     ) as info:
         RetryPolicy(max_attempts=3).call(
-            fn, operation="UploadPart 3", url="s3://b/k", sleep=lambda s: None
+            fn, operation="UploadPart 3", url="s3://b/k", errors=S3_ERRORS, sleep=lambda s: None
         )
     assert len(calls) == 3 and isinstance(info.value.__cause__, _ClientError)
 
@@ -96,7 +171,7 @@ def test_the_deadline_bounds_total_time() -> None:
     fn, calls = _flaky([TimeoutError()] * 10)
     with pytest.raises(RemoteOperationError, match="failed after 1 attempt"):
         RetryPolicy(max_attempts=10, base_delay=5.0, max_delay=5.0, deadline=0.0).call(
-            fn, operation="GET", url="u", sleep=lambda s: None
+            fn, operation="GET", url="u", errors=FSSPEC_ERRORS, sleep=lambda s: None
         )
     assert len(calls) == 1
 
@@ -117,7 +192,11 @@ def test_permanent_failures_are_not_retried_and_keep_their_kind(
         kind, match=r"^PUT s3://b/k failed: .* \(not retried: the error is permanent\)$"
     ):
         RetryPolicy().call(
-            fn, operation="PUT", url="s3://b/k", sleep=lambda s: pytest.fail("slept")
+            fn,
+            operation="PUT",
+            url="s3://b/k",
+            errors=S3_ERRORS,
+            sleep=lambda s: pytest.fail("slept"),
         )
     assert len(calls) == 1
 
@@ -130,7 +209,12 @@ def test_async_calls_retry_the_same_way() -> None:
             raise failures.pop(0)
         return 7
 
-    assert asyncio.run(RetryPolicy(base_delay=0.001).acall(fn, operation="GET", url="u")) == 7
+    assert (
+        asyncio.run(
+            RetryPolicy(base_delay=0.001).acall(fn, operation="GET", url="u", errors=S3_ERRORS)
+        )
+        == 7
+    )
 
 
 @pytest.mark.parametrize(

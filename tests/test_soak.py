@@ -3,7 +3,7 @@ against moto.
 
 The long version is ``scripts/experiments/soak_s3.py`` (results in ``benchmarks/results/``). Below
 it, one test per bug the soak found and fixed (``stores/s3_requests.py``, ``reader.py``,
-``io/retry.py``, ``writer.py``).
+``stores/retry.py``, ``writer.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy  # noqa: E402
-from hf_dcp_storage.io.retry import RemoteOperationError, is_transient  # noqa: E402
+from hf_dcp_storage.stores.retry import RemoteOperationError  # noqa: E402
+from hf_dcp_storage.stores.s3_requests import S3_ERRORS  # noqa: E402
 from tests.support.data import assert_same, random_tensor  # noqa: E402
 from tests.support.faultproxy import Fault, FaultProxy  # noqa: E402
 from tests.support.soak import BOUNDED_FIRES, KINDS, POLICY, soak  # noqa: E402
@@ -197,7 +198,7 @@ def _gave_up() -> RemoteOperationError:
 def test_errors_s3fs_translated_are_judged_by_their_cause(
     exc: BaseException, transient: bool
 ) -> None:
-    assert is_transient(exc) is transient
+    assert S3_ERRORS.transient(exc) is transient
 
 
 def test_keep_permanent_retries_transient_failures_and_passes_the_rest_unchanged() -> None:
@@ -211,7 +212,12 @@ def test_keep_permanent_retries_transient_failures_and_passes_the_rest_unchanged
 
     with pytest.raises(ValueError, match=r"^malformed index$"):
         RetryPolicy(max_attempts=BOUNDED_FIRES + 2).call(
-            fn, operation="GET", url="s3://b/k", sleep=lambda s: None, keep_permanent=True
+            fn,
+            operation="GET",
+            url="s3://b/k",
+            errors=S3_ERRORS,
+            sleep=lambda s: None,
+            keep_permanent=True,
         )
     assert failures == []
 

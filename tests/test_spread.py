@@ -2,7 +2,7 @@
 
 On S3, parts that mix several ranks' small runs are gathered by the ranks the coordinator gives
 them to, not by the coordinator; on other stores each rank merges the files it was given. The
-ranks meet on the job's key-value store before (``io/meeting.py``), so a rank that failed its
+ranks meet on the job's key-value store before (``session/meeting.py``), so a rank that failed its
 own writes stops the others instead of leaving them waiting. Pure planning on synthetic plans of
 64 ranks; real saves on 3 gloo ranks to S3 (moto, radosgw) and to a staged ``file://`` folder.
 """
@@ -31,20 +31,14 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from benchmarks._synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan
 from benchmarks.bench_scale import bytes_per_rank, dcp_global_plan, object_local_plan, plan_ours
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
-from hf_dcp_storage.io.retry import RetryPolicy
-from hf_dcp_storage.plan.layout import (
-    chunk_runs,
-    chunk_runs_array,
-    collect_tensor_specs,
-    parse_size,
-    place_items,
-    plan_layout,
-)
+from hf_dcp_storage.format.geometry import chunk_runs, chunk_runs_array
+from hf_dcp_storage.io.items import in_write_order as _in_write_order
+from hf_dcp_storage.plan.layout import collect_tensor_specs, parse_size, place_items, plan_layout
 from hf_dcp_storage.plan.parts import GatherPart, RankPart, route_run
 from hf_dcp_storage.plan.placed import place_items as place_written
 from hf_dcp_storage.plan.spread import GatherTask, MergeTask, assign
 from hf_dcp_storage.stores import store_for_mode
-from hf_dcp_storage.stores.base import in_write_order as _in_write_order
+from hf_dcp_storage.stores.retry import RetryPolicy
 from tests.support.data import assert_same, folder_bytes, random_tensor, seed_of
 from tests.support.dist import run_ranks
 

@@ -1,3 +1,3 @@
-"""What every store and tool shares for I/O: fsspec queries that never answer from a cache,
-retries, the thread pool, host buffers and slabs, a save's records, and the ranks' meeting on the
-job's store."""
+"""Moving a checkpoint's bytes: tensors to slabs and host buffers, positioned and ``O_DIRECT`` I/O
+on local disk with its aligned buffers, the thread pool, and the fsspec operations (never
+answered from a cache) that read a folder's listing, index and headers."""

@@ -1,4 +1,5 @@
-"""A write item's bytes, slab by slab, in the dtype it is saved in: what every store writes.
+"""A write item's bytes, slab by slab, in the dtype it is saved in: what every store writes; how
+many they are, and a rank's items of a file in output order.
 
 A CPU tensor already in that dtype is read in place; any other (on an accelerator, or cast) goes
 through reusable host buffers (``io/hostbuf.py``), copied a slab ahead on CUDA, or, where the
@@ -7,16 +8,17 @@ store says where a slab's bytes go (``place``: a direct write's aligned buffer),
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
-from ..plan.layout import chunk_runs, element_size
+from ..format.geometry import chunk_runs, element_size
 from .hostbuf import HostBuffers, copy_into, to_host
 from .slabs import as_bytes, slab_bounds, sub_chunk
 
-__all__ = ["Place", "item_slabs"]
+__all__ = ["Place", "chunk_bytes", "in_write_order", "item_slabs", "tensor_bytes"]
 
 # ``place(tensor byte offset, nbytes)``: where a slab that is one run of the tensor's bytes is to
 # be copied (host memory of exactly ``nbytes``), or ``None``: into a host buffer of the writer's.
@@ -90,3 +92,25 @@ def _placed_slabs(
             continue
         for data in to_host([part], dtype, host(tensor), 1):
             yield slab_runs, as_bytes(data)
+
+
+def in_write_order(
+    items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]
+) -> list[WriteItem]:
+    """A rank's items of one file in output order (by the chunk's first byte: for chunks of one
+    tensor, the order of their offsets), the order it stages them in; ``plan/placed.py`` sorts
+    alike."""
+    return sorted(items, key=lambda it: (tensor_start(it), tuple(it.tensor_data.chunk.offsets)))  # type: ignore[union-attr]
+
+
+def tensor_bytes(item: WriteItem) -> int:
+    """Bytes of the whole tensor (not the chunk) in the saved dtype."""
+    td = item.tensor_data
+    assert td is not None
+    return math.prod(td.size) * element_size(td.properties.dtype)
+
+
+def chunk_bytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None
+    return math.prod(td.chunk.sizes) * element_size(td.properties.dtype)

@@ -7,7 +7,7 @@ import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .layout import chunk_runs
+from ..format.geometry import chunk_runs
 
 __all__ = ["StagedPiece", "merge_segments"]
 

@@ -7,7 +7,7 @@ byte. At thousands of ranks there are millions of chunks, so this is numpy over 
 chunk, never a Python step per chunk.
 
 A rank writes (stages) its chunks of a file in output order: by the chunk's first byte in the
-file (``stores/base.py``'s ``in_write_order`` sorts the same way), so where each chunk starts in
+file (``io/items.py``'s ``in_write_order`` sorts the same way), so where each chunk starts in
 the rank's staged object follows from the sizes of its earlier chunks. Pure: no I/O.
 """
 
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.checkpoint.planner import SavePlan
 
+from ..format.geometry import element_size
 from .chunks import GlobalChunks, chunk_bytes, encode_local, gather
 from .dedup import Dedup
-from .layout import Layout, element_size
+from .layout import Layout
 
 __all__ = [
     "PlacedChunks",

@@ -8,7 +8,7 @@ left to the coordinator it is the failure seen elsewhere, one process moving the
 checkpoint while the others idle. Here the coordinator hands each piece of that work (a task)
 to one rank: largest task first, to the rank with the fewest bytes so far, counting the bytes
 each rank already uploads of its own. Every rank does its tasks at the end of ``write_data``,
-after all ranks have staged (``io/meeting.py``). Pure planning: no I/O.
+after all ranks have staged (``session/meeting.py``). Pure planning: no I/O.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .layout import Layout, chunk_runs_array, element_size
+from ..format.geometry import chunk_runs_array, element_size
+from .layout import Layout
 from .merge import StagedPiece
 from .placed import PlacedChunks
 

@@ -31,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 
 from ..io import fsio
 from ..io.direct import check_direct_io
-from ..io.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
-from ..io.retry import RetryPolicy
+from ..session.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
+from ..stores.retry import RetryPolicy
 from ..writer import HFStorageWriter
 from . import folder as step_folder
 from .background import ASYNC_MODES, BackgroundSaves, Reported

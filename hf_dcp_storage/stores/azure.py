@@ -23,13 +23,13 @@ from fsspec import AbstractFileSystem
 
 from ..io import fsio
 from ..io.parallel import parallel_map
-from ..io.records import SAVE_RECORD, SaveRecord
-from ..io.retry import RetryPolicy
 from ..plan.azureplan import AZURE_RULES
 from ..plan.layout import Layout
-from .azure_requests import Azure
+from ..session.records import SAVE_RECORD, SaveRecord
+from .azure_requests import AZURE_ERRORS, Azure
 from .base import STAGING_DIR
 from .parts import PartsStore, quietly
+from .retry import RetryPolicy
 
 __all__ = ["AzureStore"]
 
@@ -41,6 +41,8 @@ class AzureStore(PartsStore):
     bound_to_place = "Azure: its bytes sit in uncommitted blocks of the blobs themselves"
     rules = AZURE_RULES
     client_class = Azure
+    client: Azure
+    errors = AZURE_ERRORS
 
     def prepare(self, layout: Layout, overwrite: bool, *, make_files: bool = True) -> None:
         """Also drops the uncommitted blocks a killed save left under this path (invisible, but
@@ -50,20 +52,20 @@ class AzureStore(PartsStore):
         super().prepare(layout, overwrite, make_files=make_files)
         keep = set(layout.names)
         names = sorted({n for n in killed if n not in keep})
-        azure: Azure = self.client  # type: ignore[assignment]
+        azure = self.client
         orphans = [fsio.join(self.root, n) for n in names] + azure.uncommitted(
             self.root.rstrip("/") + "/"
         )
         parallel_map(azure.discard, sorted(set(orphans)), self.threads)
 
     def _assemble(self, f: int, layout: Layout, entries: list[dict[str, Any]]) -> None:
-        azure: Azure = self.client  # type: ignore[assignment]
+        azure = self.client
         azure.commit(fsio.join(self.root, layout.files[f].name), [e["ETag"] for e in entries])
 
     def _discard(self, names: Sequence[str], save_id: str) -> None:
         """Drop the uncommitted blocks of the save's blobs (and the blobs: the folder holds no
         complete checkpoint while a save runs, so nothing of value goes with them)."""
-        azure: Azure = self.client  # type: ignore[assignment]
+        azure = self.client
         for name in names:
             path = fsio.join(self.root, name)
             quietly(
@@ -98,6 +100,7 @@ def _recorded_files(fs: AbstractFileSystem, root: str, retry: RetryPolicy) -> li
             lambda: fsio.read_all(fs, where),
             operation="read",
             url=fsio.url_of(fs, where),
+            errors=AZURE_ERRORS,
             keep_permanent=True,
         )
         return [name for name, _ in SaveRecord.decode(raw, where).files]

@@ -5,7 +5,7 @@ Used only when the fsspec filesystem is adlfs (``stores/azure.py`` is the store 
 reader's ranged reads use them too). The requests go through adlfs's own async
 ``BlobServiceClient`` (so the account, credential, connection string or SAS, and endpoint are
 the user's), with the SDK's retries off for them (``retry_total=0``: its default waits 15 s and
-more between attempts): each one is retried by this library's :class:`~.io.retry.RetryPolicy`
+more between attempts): each one is retried by this library's :class:`~.retry.RetryPolicy`
 alone, and fails with a message naming the operation and the blob.
 """
 
@@ -19,11 +19,42 @@ from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
 from ..io.parallel import fetch_spans
-from ..io.retry import RetryPolicy
 from ..plan.azureplan import block_id
 from .parts import PartRef, PartsClient, quietly
+from .retry import ErrorRules, RetryPolicy
 
-__all__ = ["BLOCK_BYTES", "Azure", "BlockWriter"]
+__all__ = ["AZURE_ERRORS", "BLOCK_BYTES", "Azure", "BlockWriter"]
+
+
+def _azure_code(exc: BaseException) -> str:
+    code = getattr(exc, "error_code", None)  # azure.core's HttpResponseError
+    return str(getattr(code, "value", code) or "")
+
+
+def _azure_status(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    return status if isinstance(status, int) and not isinstance(status, bool) else None
+
+
+# How Azure Blob's errors read: azure.core's ``HttpResponseError`` (status and error code), its
+# connection errors by class name.
+AZURE_ERRORS = ErrorRules(
+    missing_codes=frozenset({"BlobNotFound", "ContainerNotFound", "ResourceNotFound"}),
+    denied_codes=frozenset(
+        {"AuthorizationFailure", "AuthenticationFailed", "AuthorizationPermissionMismatch"}
+    ),
+    transient_classes=frozenset(
+        {
+            "ServiceRequestError",
+            "ServiceResponseError",
+            "ServiceRequestTimeoutError",
+            "ServiceResponseTimeoutError",
+            "IncompleteReadError",
+        }
+    ),
+    code=_azure_code,
+    status=_azure_status,
+)
 
 # A staged stream's blocks: one in memory while it fills, then staged.
 BLOCK_BYTES = 8 << 20
@@ -33,6 +64,8 @@ _NO_SDK_RETRY = {"retry_total": 0}
 
 class Azure(PartsClient):
     """Retried Azure Blob requests on an adlfs filesystem's client; paths are ``container/blob``."""
+
+    errors = AZURE_ERRORS
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs, self.retry = fs, retry
@@ -50,7 +83,10 @@ class Azure(PartsClient):
                 return await getattr(client, method)(*args, **kwargs, **_NO_SDK_RETRY)
 
         return self.retry.call(
-            lambda: sync(self.fs.loop, once), operation=operation, url=self.url(path)
+            lambda: sync(self.fs.loop, once),
+            operation=operation,
+            url=self.url(path),
+            errors=self.errors,
         )
 
     # -- blobs and blocks -------------------------------------------------------------------------
@@ -132,6 +168,7 @@ class Azure(PartsClient):
                 lambda: sync(self.fs.loop, listing),
                 operation="list uncommitted blobs under",
                 url=self.url(prefix),
+                errors=self.errors,
             )
         except FileNotFoundError:
             return []
@@ -151,7 +188,10 @@ class Azure(PartsClient):
                     return await stream.readall()
 
             return await self.retry.acall(
-                once, operation=f"GET bytes {start}-{end - 1} of", url=self.url(path)
+                once,
+                operation=f"GET bytes {start}-{end - 1} of",
+                url=self.url(path),
+                errors=self.errors,
             )
 
         return fetch_spans(self.fs.loop, read, spans, concurrency)

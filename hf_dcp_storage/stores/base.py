@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import posixpath
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
@@ -40,12 +39,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..format.index import INDEX_NAME, SHARD_NAME_RE, SINGLE_FILE_NAME
 from ..io import fsio
 from ..io.items import Place
-from ..io.records import CompletionRecord
-from ..io.retry import RetryPolicy
-from ..plan.layout import Layout, element_size
+from ..plan.layout import Layout
 from ..plan.placed import PlacedChunks
 from ..plan.rankplan import Finished, RankPlan
 from ..plan.reads import coalesce
+from ..session.records import CompletionRecord
+from .retry import FSSPEC_ERRORS, ErrorRules, RetryPolicy
 
 __all__ = [
     "STAGING_DIR",
@@ -55,15 +54,13 @@ __all__ = [
     "Reads",
     "Slabs",
     "Store",
-    "chunk_bytes",
-    "in_write_order",
     "staged_path",
-    "tensor_bytes",
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
-# The save's own records (``io/records.py``) and per-rank staged objects live here until the
+# The save's own records (``session/records.py``) and per-rank staged objects live here until the
 # coordinator has written the index; then the folder is removed.
 STAGING_DIR = ".hf_dcp_staging"
 
@@ -134,8 +131,12 @@ class Ranges:
     # gaps included: where each request costs a round trip. Local reads take each run exactly.
     coalesces: ClassVar[bool] = True
 
-    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
-        self.fs, self.retry = fs, retry
+    def __init__(
+        self, fs: AbstractFileSystem, retry: RetryPolicy, errors: ErrorRules = FSSPEC_ERRORS
+    ) -> None:
+        # ``errors``: the store's rules (``Store.errors``), for whatever else a loader asks the
+        # store through ``fs`` (listing, index, headers) beside these reads.
+        self.fs, self.retry, self.errors = fs, retry, errors
 
     def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """Bytes ``[start, end)`` of each range (fewer only where the object is shorter)."""
@@ -145,6 +146,7 @@ class Ranges:
             ),
             operation="read byte ranges of",
             url=fsio.url_of(self.fs, path),
+            errors=self.errors,
         )
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
@@ -153,6 +155,15 @@ class Ranges:
             lambda: fsio.read_range(self.fs, path, start, end),
             operation=f"read bytes {start}-{end - 1} of",
             url=fsio.url_of(self.fs, path),
+            errors=self.errors,
+        )
+
+    def retried(self, fn: Callable[[], T], *, operation: str, url: str) -> T:
+        """``fn()``: a loader's own requests through ``fs`` (a listing, the index, a header),
+        retried by the store's rules, as s3fs retries neither a 500 nor a reset; a permanent
+        failure (a malformed index) keeps its own error."""
+        return self.retry.call(
+            fn, operation=operation, url=url, errors=self.errors, keep_permanent=True
         )
 
     def open_reads(self, direct_io: bool | None) -> Reads:
@@ -231,6 +242,9 @@ class Store(ABC):
     files_in_place: ClassVar[bool] = False
     merges_files: ClassVar[bool] = False
     bound_to_place: ClassVar[str | None] = None
+    # How its requests' failures read (``stores/retry.py``): which are retried, which name a
+    # missing object or a refusal. A backend with an SDK of its own states its rules.
+    errors: ClassVar[ErrorRules] = FSSPEC_ERRORS
 
     def __init__(
         self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int
@@ -395,7 +409,11 @@ class Store(ABC):
         """``fn()`` under the retry policy (fsspec requests: s3fs retries neither a 500 nor a
         reset); a permanent failure keeps its own error."""
         return self.retry.call(
-            fn, operation=operation, url=fsio.url_of(self.fs, path), keep_permanent=True
+            fn,
+            operation=operation,
+            url=fsio.url_of(self.fs, path),
+            errors=self.errors,
+            keep_permanent=True,
         )
 
 
@@ -403,25 +421,3 @@ def staged_path(root: str, file_name: str, rank: int) -> str:
     """Where ``rank`` stages its bytes of output file ``file_name`` of the checkpoint at
     ``root``."""
     return posixpath.join(root, STAGING_DIR, f"{file_name}.rank{rank:05d}")
-
-
-def in_write_order(
-    items: Iterable[WriteItem], tensor_start: Callable[[WriteItem], int]
-) -> list[WriteItem]:
-    """A rank's items of one file in output order (by the chunk's first byte: for chunks of one
-    tensor, the order of their offsets), the order it stages them in; ``plan/placed.py`` sorts
-    alike."""
-    return sorted(items, key=lambda it: (tensor_start(it), tuple(it.tensor_data.chunk.offsets)))  # type: ignore[union-attr]
-
-
-def tensor_bytes(item: WriteItem) -> int:
-    """Bytes of the whole tensor (not the chunk) in the saved dtype."""
-    td = item.tensor_data
-    assert td is not None
-    return math.prod(td.size) * element_size(td.properties.dtype)
-
-
-def chunk_bytes(item: WriteItem) -> int:
-    td = item.tensor_data
-    assert td is not None
-    return math.prod(td.chunk.sizes) * element_size(td.properties.dtype)

@@ -15,12 +15,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.index import INDEX_NAME
 from ..io import fsio
-from ..io.records import SAVE_RECORD, SaveRecord
-from ..io.retry import RetryPolicy
 from ..plan.layout import Layout, index_bytes
 from ..plan.rankplan import FINISHED, combine_checksums
+from ..session.records import SAVE_RECORD, SaveRecord
 from .base import STAGING_DIR, Store
 from .registry import store_for_mode
+from .retry import RetryPolicy
 
 __all__ = ["adopt", "commit", "prepare"]
 

@@ -17,11 +17,12 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.crc import CrcAccumulator
+from ..io.items import chunk_bytes, in_write_order, tensor_bytes
 from ..io.parallel import parallel_map
 from ..plan.parts import GatherPart, RankPart, route_run
 from ..plan.rankplan import RankPlan, Written
 from ..plan.spread import GatherTasks, Source
-from .base import Slabs, chunk_bytes, in_write_order, tensor_bytes
+from .base import Slabs
 
 __all__ = [
     "FileShare",

@@ -29,7 +29,7 @@ from ..io.parallel import parallel_map
 from ..plan.gcsplan import GCS_RULES, compose_tree, part_name
 from ..plan.layout import Layout
 from .base import STAGING_DIR
-from .gcs_requests import GCS
+from .gcs_requests import GCS, GCS_ERRORS
 from .parts import PartsStore, quietly
 
 __all__ = ["GcsStore"]
@@ -45,13 +45,15 @@ class GcsStore(PartsStore):
     bound_to_place = "GCS: its parts are objects in the bucket, composed there"
     rules = GCS_RULES
     client_class = GCS
+    client: GCS
+    errors = GCS_ERRORS
 
     def _staging(self) -> str:
         return fsio.join(self.root, STAGING_DIR)
 
     def _assemble(self, f: int, layout: Layout, entries: list[dict[str, Any]]) -> None:
         name = layout.files[f].name
-        gcs: GCS = self.client  # type: ignore[assignment]
+        gcs = self.client
         parts = [part_name(self._staging(), self.save_id, name, e["PartNumber"]) for e in entries]
         generation = {p: e["ETag"] for p, e in zip(parts, entries, strict=True)}
         levels = compose_tree(
@@ -119,7 +121,7 @@ class GcsStore(PartsStore):
         """Delete the save's part objects and compose intermediates (from a fresh listing of
         the staging folder; the staged objects and records stay for ``hf-dcp consolidate``'s
         refusal and the next save, as on S3)."""
-        gcs: GCS = self.client  # type: ignore[assignment]
+        gcs = self.client
         for sub in ("parts", "compose"):
             folder = fsio.join(self._staging(), sub)
             quietly(functools.partial(fsio.remove_tree, self.fs, folder), gcs.url(folder))

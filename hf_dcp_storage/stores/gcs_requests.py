@@ -5,7 +5,7 @@ Used only when the fsspec filesystem is gcsfs (``stores/gcs.py`` is the store bu
 reader's ranged GETs use them too). The requests go through gcsfs's own HTTP session and
 credentials (so ``token``, ``project``, ``endpoint_url``, ``session_kwargs``... are the user's),
 without gcsfs's retry loop (six attempts, sleeps up to 32 s, beneath which no policy can be
-set): each request is retried by this library's :class:`~.io.retry.RetryPolicy` alone, and
+set): each request is retried by this library's :class:`~.retry.RetryPolicy` alone, and
 fails with a message naming the operation and the object.
 """
 
@@ -21,12 +21,17 @@ from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
 from ..io.parallel import fetch_spans, parallel_map
-from ..io.retry import RetryPolicy, StoreError
 from ..plan.gcsplan import part_name
 from .base import STAGING_DIR
 from .parts import PartRef, PartsClient, quietly
+from .retry import ErrorRules, RetryPolicy, StoreError
 
-__all__ = ["CHUNK_BYTES", "GCS", "RESUMABLE_ABOVE", "ResumableWriter"]
+__all__ = ["CHUNK_BYTES", "GCS", "GCS_ERRORS", "RESUMABLE_ABOVE", "ResumableWriter"]
+
+
+# How GCS's errors read: an HTTP status (``StoreError``, made from gcsfs's ``HttpError`` by
+# ``GCS._once``), gcsfs's checksum mismatch of a body cut short.
+GCS_ERRORS = ErrorRules(transient_classes=frozenset({"ChecksumError"}))
 
 # Objects above this go up as resumable uploads, in chunks: a failed chunk is sent again alone,
 # not the whole object, and a staged stream holds one chunk in memory. Chunks are multiples of
@@ -42,6 +47,8 @@ def _key(path: str) -> tuple[str, str]:
 
 class GCS(PartsClient):
     """Retried GCS JSON-API requests on a gcsfs filesystem's session; paths are ``bucket/key``."""
+
+    errors = GCS_ERRORS
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs, self.retry = fs, retry
@@ -75,6 +82,7 @@ class GCS(PartsClient):
             lambda: sync(self.fs.loop, self._once, method, target, *args, **kwargs),
             operation=operation,
             url=self.url(path),
+            errors=self.errors,
         )
 
     def _upload_url(self, bucket: str) -> str:
@@ -177,6 +185,7 @@ class GCS(PartsClient):
                 ),
                 operation=f"GET bytes {start}-{end - 1} of",
                 url=self.url(path),
+                errors=self.errors,
             )
             return data
 

@@ -24,11 +24,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..format.crc import CrcAccumulator
 from ..io import fsio
 from ..io.direct import AlignedBuffers, Descriptors, DirectWriter, pread_run
+from ..io.items import tensor_bytes
 from ..io.parallel import parallel_map
-from ..io.retry import RetryPolicy
 from ..plan.layout import Layout
 from ..plan.rankplan import Finished, RankPlan, Written
-from .base import Ranges, Slabs, Store, tensor_bytes
+from .base import Ranges, Slabs, Store
+from .retry import RetryPolicy
 
 __all__ = ["READ_DIRECT_BY_DEFAULT", "LocalRanges", "LocalStore"]
 

@@ -41,14 +41,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..io import fsio
 from ..io.parallel import parallel_map
-from ..io.records import COMPLETION_RECORD, CompletionRecord
-from ..io.retry import RetryPolicy
 from ..plan.layout import Layout
 from ..plan.partplan import PartsRankPlan, parts_rank_plans, plan_parts
 from ..plan.parts import GatherPart, PartRules, RankPart
 from ..plan.placed import PlacedChunks, place_items
 from ..plan.rankplan import Finished, RankPlan, WrittenRows
 from ..plan.spread import GatherTask, GatherTasks
+from ..session.records import COMPLETION_RECORD, CompletionRecord
 from .base import STAGING_DIR, Ranges, Slabs, Store
 from .filling import (
     FileShare,
@@ -59,6 +58,7 @@ from .filling import (
     with_parts,
     write_by_file,
 )
+from .retry import ErrorRules, RetryPolicy
 
 __all__ = ["ClientRanges", "PartRef", "PartsClient", "PartsStore", "Uploader", "quietly"]
 
@@ -85,6 +85,9 @@ class PartRef:
 
 class PartsClient(ABC):
     """The retried requests of one store (one SDK); paths as fsspec strips them. Thread-safe."""
+
+    # How this SDK's failures read; its calls retry by these rules (the store's ``errors``).
+    errors: ClassVar[ErrorRules]
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs, self.retry = fs, retry
@@ -313,7 +316,7 @@ class ClientRanges(Ranges):
     """Ranged GETs through a part store's own retried client, up to 16 in flight per call."""
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy, client: PartsClient) -> None:
-        super().__init__(fs, retry)
+        super().__init__(fs, retry, client.errors)
         self.client = client
 
     def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

@@ -14,10 +14,11 @@ from typing import Any
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..io import fsio, meeting
+from ..io import fsio
 from ..io.parallel import parallel_map
-from ..io.records import rank_record, rank_record_name
 from ..plan.rankplan import FINISHED, Finished, RankPlan
+from ..session import meeting
+from ..session.records import rank_record, rank_record_name
 from .base import STAGING_DIR, Slabs, Store
 
 __all__ = ["finish_tasks", "run_rank", "write_own"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from fsspec import AbstractFileSystem
 
 from ..io import fsio
-from ..io.retry import RetryPolicy
+from .retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .base import Ranges, Store

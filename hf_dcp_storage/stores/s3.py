@@ -29,14 +29,14 @@ from fsspec import AbstractFileSystem
 
 from ..io import fsio
 from ..io.parallel import parallel_map
-from ..io.records import SAVE_RECORD, CompletionRecord, SaveRecord
-from ..io.retry import RetryPolicy
 from ..plan.layout import Layout
 from ..plan.parts import S3_RULES
 from ..plan.rankplan import RankPlan
+from ..session.records import SAVE_RECORD, CompletionRecord, SaveRecord
 from .base import STAGING_DIR
 from .parts import PartsStore, quietly
-from .s3_requests import S3, multipart_etag
+from .retry import RetryPolicy
+from .s3_requests import S3, S3_ERRORS, multipart_etag
 
 __all__ = ["S3Store"]
 
@@ -50,12 +50,8 @@ class S3Store(PartsStore):
     bound_to_place = "S3: its bytes sit in multipart uploads bound to their keys"
     rules = S3_RULES
     client_class = S3
-
-    def __init__(
-        self, fs: AbstractFileSystem, root: str, *, retry: RetryPolicy, threads: int
-    ) -> None:
-        super().__init__(fs, root, retry=retry, threads=threads)
-        self.s3: S3 = self.client  # type: ignore[assignment]
+    client: S3
+    errors = S3_ERRORS
 
     # -- coordinator
     # --------------------------------------------------------------------------------
@@ -64,12 +60,12 @@ class S3Store(PartsStore):
         """Also aborts the uploads a killed save left unfinished under this path (listed beside
         the folder's listing), then creates the uploads."""
         with ThreadPoolExecutor(1) as pool:
-            listing = pool.submit(self.s3.list_uploads, self.root.rstrip("/") + "/")
+            listing = pool.submit(self.client.list_uploads, self.root.rstrip("/") + "/")
             super().prepare(layout, overwrite, make_files=False)
             orphans = listing.result()
         bucket = self.root.split("/", 1)[0]
         parallel_map(
-            lambda o: self.s3.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, self.threads
+            lambda o: self.client.abort_upload(f"{bucket}/{o[0]}", o[1]), orphans, self.threads
         )
         if make_files:
             self._make_files(layout)
@@ -79,7 +75,7 @@ class S3Store(PartsStore):
         files = [f for f, parts in enumerate(self.parts) if len(parts) > 1]
 
         def create(f: int) -> None:
-            self.uploads[f] = self.s3.create_upload(fsio.join(self.root, layout.files[f].name))
+            self.uploads[f] = self.client.create_upload(fsio.join(self.root, layout.files[f].name))
 
         try:
             parallel_map(create, files, self.threads)
@@ -95,14 +91,16 @@ class S3Store(PartsStore):
         refuses, before completing anything, when an upload is gone otherwise (aborted: its
         bytes are lost). A completed file is told from a stale object of the same name (an
         older checkpoint's) by its ETag: the one the recorded parts make (``multipart_etag``)."""
-        open_ids = {upload_id for _, upload_id in self.s3.list_uploads(self.root.rstrip("/") + "/")}
+        open_ids = {
+            upload_id for _, upload_id in self.client.list_uploads(self.root.rstrip("/") + "/")
+        }
         gone = []
         for f, upload_id in sorted(self.uploads.items()):
             if upload_id in open_ids:
                 continue
             plan = layout.files[f]
             parts = completion.parts.get(plan.name) if completion is not None else None
-            head = self.s3.head(fsio.join(self.root, plan.name)) if parts else None
+            head = self.client.head(fsio.join(self.root, plan.name)) if parts else None
             if head is not None and head == (plan.size, multipart_etag(parts or ())):
                 self.completed.add(f)
             else:
@@ -120,7 +118,7 @@ class S3Store(PartsStore):
         if upload_id is None:  # a one-part file: its part was the whole object
             return
         parts = [{"PartNumber": e["PartNumber"], "ETag": e["ETag"]} for e in entries]
-        self.s3.complete_upload(
+        self.client.complete_upload(
             fsio.join(self.root, layout.files[f].name), upload_id, parts, layout.files[f].size
         )
 
@@ -129,8 +127,8 @@ class S3Store(PartsStore):
         for f, upload_id in self.uploads.items():
             path = fsio.join(self.root, names[f])
             quietly(
-                functools.partial(self.s3.abort_upload, path, upload_id),
-                f"the multipart upload of {self.s3.url(path)}",
+                functools.partial(self.client.abort_upload, path, upload_id),
+                f"the multipart upload of {self.client.url(path)}",
             )
 
     # -- each rank

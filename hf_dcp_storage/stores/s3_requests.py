@@ -5,7 +5,7 @@ part-store design of ``stores/parts.py``, whose ``PartsClient`` this is), the re
 GETs and pruning's aborts go through them too; every other store goes through its own requests
 or the generic fsspec path in ``io/fsio.py``. The requests go to s3fs's own botocore client (so
 credentials, endpoint, region and ``s3_additional_kwargs`` such as server-side encryption are the
-user's), but each one is retried by this library's :class:`~.io.retry.RetryPolicy`, which knows
+user's), but each one is retried by this library's :class:`~.retry.RetryPolicy`, which knows
 which failures are transient, and fails with a message naming the operation and the object.
 """
 
@@ -22,11 +22,63 @@ from fsspec.asyn import sync
 
 from ..io import fsio
 from ..io.parallel import fetch_spans
-from ..io.retry import RetryPolicy
 from ..plan.parts import MIN_PART_BYTES
 from .parts import PartRef, PartsClient, Uploader, quietly
+from .retry import ErrorRules, RetryPolicy
 
-__all__ = ["S3", "MultipartWriter", "multipart_etag"]
+__all__ = ["S3", "S3_ERRORS", "MultipartWriter", "multipart_etag"]
+
+
+def _s3_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)  # botocore's ClientError
+    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+
+
+def _s3_status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict) or "Error" not in response:
+        return None
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0) or None
+
+
+# How S3's errors read (botocore's ClientError codes; its connection errors by class name, so
+# that botocore need not be imported to judge them).
+S3_ERRORS = ErrorRules(
+    transient_codes=frozenset(
+        {
+            "SlowDown",
+            "Throttling",
+            "ThrottlingException",
+            "RequestTimeout",
+            "RequestTimeTooSkewed",
+            "InternalError",
+            "ServiceUnavailable",
+            "RequestLimitExceeded",
+            "BandwidthLimitExceeded",
+        }
+    ),
+    unsupported_codes=frozenset({"NotImplemented", "XNotImplemented"}),
+    missing_codes=frozenset({"NoSuchBucket", "NoSuchKey", "NoSuchUpload", "404", "NotFound"}),
+    denied_codes=frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}),
+    transient_classes=frozenset(
+        {
+            "EndpointConnectionError",
+            "ConnectionClosedError",
+            "ReadTimeoutError",
+            "ConnectTimeoutError",
+            "IncompleteReadError",
+            "ResponseStreamingError",
+            "HTTPClientError",
+            "ProxyConnectionError",
+            "ResponseParserError",
+            "ChecksumError",
+            "FlexibleChecksumError",
+            "AWSChunkedDecodingError",
+        }
+    ),
+    code=_s3_code,
+    status=_s3_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +106,8 @@ def _bucket_key(path: str) -> tuple[str, str]:
 
 class S3(PartsClient):
     """Retried S3 requests on an s3fs filesystem's client; paths are ``bucket/key``. Thread-safe."""
+
+    errors = S3_ERRORS
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs = fs
@@ -83,6 +137,7 @@ class S3(PartsClient):
             lambda: sync(self.fs.loop, self._once, method, kwargs),
             operation=operation,
             url=f"s3://{path}",
+            errors=self.errors,
         )
 
     def get_ranges(
@@ -107,6 +162,7 @@ class S3(PartsClient):
                 lambda: self._once("get_object", kwargs),
                 operation=f"GET bytes {start}-{end - 1} of",
                 url=f"s3://{path}",
+                errors=self.errors,
             )
             return r["Data"]
 
@@ -142,9 +198,9 @@ class S3(PartsClient):
                 self.fs.loop, self._once, "create_multipart_upload", {"Bucket": bucket, "Key": key}
             )
 
-        upload_id = self.retry.call(once, operation="CreateMultipartUpload", url=f"s3://{path}")[
-            "UploadId"
-        ]
+        upload_id = self.retry.call(
+            once, operation="CreateMultipartUpload", url=f"s3://{path}", errors=self.errors
+        )["UploadId"]
         if attempts > 1:
             self._abort_orphans(path, upload_id)
         return upload_id

@@ -23,14 +23,16 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.crc import CrcAccumulator
+from ..format.geometry import element_size
 from ..io import fsio
+from ..io.items import chunk_bytes, in_write_order, tensor_bytes
 from ..io.parallel import parallel_map
-from ..plan.layout import Layout, element_size
+from ..plan.layout import Layout
 from ..plan.merge import StagedPiece, merge_segments
 from ..plan.placed import PlacedChunks
 from ..plan.rankplan import Finished, RankPlan, Written
 from ..plan.spread import MergeTask, plan_merges
-from .base import Slabs, Store, chunk_bytes, in_write_order, tensor_bytes
+from .base import Slabs, Store
 
 __all__ = ["COPY_BYTES", "StagedStore", "merge_file"]
 

@@ -1,7 +1,7 @@
 """Finish a save that stopped after its ranks wrote their bytes but before the index was written.
 
 Every save by ``HFStorageWriter`` keeps a record of itself in ``.hf_dcp_staging/``
-(``io/records.py``): the coordinator's plan, and one record per rank written once that rank's
+(``session/records.py``): the coordinator's plan, and one record per rank written once that rank's
 bytes are durable. If the coordinator dies, or its ``finish`` fails, before the index is written,
 those records are all it takes to do ``finish`` again later, from any machine: merge the staged
 objects, complete the S3 multipart uploads, or (local disk, where the bytes are already in
@@ -28,7 +28,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..format.index import INDEX_NAME
 from ..io import fsio
 from ..io.parallel import parallel_map
-from ..io.records import (
+from ..plan.layout import Layout, layout_from_files
+from ..plan.rankplan import FINISHED, Finished, Written
+from ..session.records import (
     COMPLETION_RECORD,
     SAVE_RECORD,
     CompletionRecord,
@@ -36,12 +38,10 @@ from ..io.records import (
     SaveRecord,
     rank_record_name,
 )
-from ..io.retry import RetryPolicy
-from ..plan.layout import Layout, layout_from_files
-from ..plan.rankplan import FINISHED, Finished, Written
 from ..stores import coordinator
 from ..stores.base import STAGING_DIR
 from ..stores.registry import store_class
+from ..stores.retry import RetryPolicy
 from ..writer import HFStorageWriter
 from .progress import NO_PROGRESS, Progress
 

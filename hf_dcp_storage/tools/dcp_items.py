@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ..format.geometry import element_size
 from ..format.header import DTYPE_TO_NAME
 from ..io import fsio
-from ..plan.layout import element_size
 from .dcp_format import DcpSource, check_chunks
 from .keymap import Renaming
 from .progress import Progress

@@ -14,10 +14,10 @@ from ..format.index import INDEX_NAME, SINGLE_FILE_NAME
 from ..io import fsio
 from ..io.files import Folder, ReadRange, scan_folder
 from ..io.parallel import check_thread_count
-from ..io.retry import RetryPolicy
 from ..steps.folder import TRAINING_STATE_DIR
 from ..steps.retention import COMMIT_MARKER, parse_step
 from ..stores import ranges_for
+from ..stores.retry import RetryPolicy
 from ..writer import STAGING_DIR
 from .dcp_format import DCP_METADATA, DCP_SUFFIX
 

@@ -23,13 +23,14 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from ..format.geometry import element_size
 from ..format.header import DTYPE_TO_NAME, HeaderError
 from ..format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index
 from ..io import fsio
 from ..io.files import Folder, ReadRange, read_header, read_index
 from ..io.parallel import parallel_map
-from ..io.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
-from ..plan.layout import element_size, layout_from_files
+from ..plan.layout import layout_from_files
+from ..session.records import SAVE_RECORD, RecordError, SaveRecord, rank_record_name
 from ..steps.folder import TRAINING_STATE_DIR
 from ..steps.retention import COMMIT_MARKER
 from ..writer import STAGING_DIR

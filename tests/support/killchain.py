@@ -228,8 +228,8 @@ def open_uploads(url: str, options: dict | None) -> list[str]:
     (Azure), else empty. Azurite lists no blob that has only uncommitted blocks, so on Azure
     every name a save of these state dicts can give its files (``model-0000k-of-0000N``, N <= 4,
     in the folder, its steps and their training state) is asked too."""
-    from hf_dcp_storage.io.retry import RetryPolicy
     from hf_dcp_storage.stores import backend_of
+    from hf_dcp_storage.stores.retry import RetryPolicy
     from hf_dcp_storage.stores.s3_requests import S3
 
     fs, root = _fresh(url, options)
@@ -245,8 +245,8 @@ def _uncommitted_blocks(fs: Any, root: str) -> list[str]:
     from fsspec.asyn import sync
 
     from hf_dcp_storage.io import fsio as _fsio
-    from hf_dcp_storage.io.retry import RetryPolicy
     from hf_dcp_storage.stores.azure_requests import Azure
+    from hf_dcp_storage.stores.retry import RetryPolicy
 
     folders = (
         {root}

@@ -1,11 +1,17 @@
 """Retries for remote operations: exponential backoff with full jitter, bounded in attempts and
-time.
+time, each failure judged by the rules of the store that raised it.
 
 A remote request fails in one of two ways. Transient failures (503 SlowDown, 500, a reset
 connection, a truncated body, a timeout) go away if the same idempotent request is sent again
 a little later; they are retried. Permanent ones (403 AccessDenied, a missing bucket or object,
 a bad request) never will; retrying them only delays the error, so they fail at once. Either
 way the error names the operation and the URL.
+
+Which is which depends on the store's SDK: botocore's error codes, an HTTP status on GCS and
+Azure, the class names of its connection errors. Each store states its own :class:`ErrorRules`
+beside its requests (``S3_ERRORS`` in ``stores/s3_requests.py``, ...; ``Store.errors``); this
+module knows only what every store shares (Python's and aiohttp's connection errors, fsspec's
+timeout), so nothing here names a backend.
 
 Every request this library retries is idempotent (a ranged GET, a PUT of a whole object or
 part, a part copy, completing or aborting an upload), so sending it twice is safe.
@@ -20,34 +26,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["RemoteOperationError", "RetryPolicy", "StoreError", "is_transient", "policy_or_default"]
+__all__ = [
+    "FSSPEC_ERRORS",
+    "ErrorRules",
+    "RemoteOperationError",
+    "RetryPolicy",
+    "StoreError",
+    "policy_or_default",
+]
 
 T = TypeVar("T")
 
-# S3 error codes that mean "try again later"; anything else with a 4xx status is permanent.
-_TRANSIENT_CODES = frozenset(
+# Connection-level failures every store's requests can end in, by class name so that optional
+# libraries need not be imported here: aiohttp's (under s3fs, gcsfs and adlfs alike), fsspec's
+# timeout, the standard library's truncated body.
+_COMMON_TRANSIENT_CLASSES = frozenset(
     {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-    }
-)
-# Connection-level failures by class name, so that optional libraries (botocore, aiohttp)
-# need not be imported here: resets, closed connections, truncated bodies, timeouts.
-_TRANSIENT_CLASS_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ReadTimeoutError",
-        "ConnectTimeoutError",
-        "IncompleteReadError",
-        "ResponseStreamingError",
         "ClientPayloadError",
         "ServerDisconnectedError",
         "ClientConnectionError",
@@ -55,47 +49,21 @@ _TRANSIENT_CLASS_NAMES = frozenset(
         "ServerTimeoutError",
         "ContentLengthError",
         "TransferEncodingError",
-        "HTTPClientError",
-        "ProxyConnectionError",
-        "IncompleteRead",
         "FSTimeoutError",
-        "ResponseParserError",
-        "ChecksumError",
-        "FlexibleChecksumError",
-        "AWSChunkedDecodingError",
+        "IncompleteRead",
         "ProxyError",
-        "ServiceRequestError",
-        "ServiceResponseError",
-        "ServiceRequestTimeoutError",
-        "ServiceResponseTimeoutError",
     }
 )
-# HTTP statuses that mean "try again later" where a store's error carries only its status
-# (GCS, Azure): server errors, request timeout, too many requests.
+# HTTP statuses that mean "try again later": request timeout, too many requests (and any 5xx
+# but 501).
 _TRANSIENT_STATUSES = frozenset({408, 429})
-# Azure error codes of permanent failures that name what is missing or refused.
-_MISSING_CODES = frozenset(
-    {
-        "NoSuchBucket",
-        "NoSuchKey",
-        "NoSuchUpload",
-        "404",
-        "NotFound",
-        "BlobNotFound",
-        "ContainerNotFound",
-        "ResourceNotFound",
-    }
-)
-_DENIED_CODES = frozenset(
-    {
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "403",
-        "AuthorizationFailure",
-        "AuthenticationFailed",
-        "AuthorizationPermissionMismatch",
-    }
+# Python's own permanent failures: what is missing, refused or in the way stays so.
+_PERMANENT_OS_ERRORS = (
+    FileNotFoundError,
+    PermissionError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
 )
 
 
@@ -112,45 +80,75 @@ class StoreError(Exception):
         self.status = status
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether sending the same request again may succeed.
+def _no_code(exc: BaseException) -> str:
+    return ""
 
-    An error that s3fs translated from botocore's (an ``OSError`` whose ``__cause__`` is the
-    ``ClientError`` or connection error) is judged by that cause: s3fs turns a 500 into
-    ``OSError(EREMOTEIO)``, which would otherwise look permanent. A ``RemoteOperationError`` is
-    never transient: its retries have already run out.
+
+def _store_error_status(exc: BaseException) -> int | None:
+    return exc.status if isinstance(exc, StoreError) else None
+
+
+@dataclass(frozen=True)
+class ErrorRules:
+    """How one store's errors read: which are worth sending again, and which permanent ones say
+    that something is missing or refused (raised as ``FileNotFoundError`` / ``PermissionError``).
+
+    ``code`` and ``status`` read the store's error code and HTTP status off an exception (``""``
+    and ``None`` where it carries none). A failure is judged in this order: a code in
+    ``unsupported_codes`` or status 501 is permanent (the store lacks the feature); a code in
+    ``transient_codes`` is transient; any other status is transient when 5xx, 408 or 429;
+    Python's missing / refused / in-the-way ``OSError`` s are permanent; a bare ``OSError`` that
+    translates another error (s3fs turns a 500 into ``OSError(EREMOTEIO)``) is judged by that
+    cause; connection resets and timeouts, and errors whose class (or a base's) is named in
+    ``transient_classes`` or is a common connection error, are transient; the rest permanent.
     """
-    if isinstance(exc, RemoteOperationError):
-        return False
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict) and "Error" in response:  # botocore ClientError
-        code = str(response.get("Error", {}).get("Code", ""))
-        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        if code in {"NotImplemented", "XNotImplemented"} or status == 501:
-            return False  # the store lacks the feature; asking again will not add it
-        return code in _TRANSIENT_CODES or status >= 500
-    if isinstance(
-        exc,
-        (
-            FileNotFoundError,
-            PermissionError,
-            FileExistsError,
-            IsADirectoryError,
-            NotADirectoryError,
-        ),
-    ):
-        return False
-    http = _status(exc)
-    if http is not None:  # a store's HTTP error answer (GCS, Azure)
-        if http == 501:
+
+    transient_codes: frozenset[str] = frozenset()
+    unsupported_codes: frozenset[str] = frozenset()
+    missing_codes: frozenset[str] = frozenset()
+    denied_codes: frozenset[str] = frozenset()
+    transient_classes: frozenset[str] = frozenset()
+    code: Callable[[BaseException], str] = _no_code
+    status: Callable[[BaseException], int | None] = _store_error_status
+
+    def transient(self, exc: BaseException) -> bool:
+        """Whether sending the same request again may succeed. A ``RemoteOperationError`` is
+        never transient: its retries have already run out."""
+        if isinstance(exc, RemoteOperationError):
             return False
-        return http >= 500 or http in _TRANSIENT_STATUSES
-    cause = exc.__cause__
-    if type(exc) is OSError and cause is not None and cause is not exc:
-        return is_transient(cause)
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    return any(cls.__name__ in _TRANSIENT_CLASS_NAMES for cls in type(exc).__mro__)
+        code, status = self.code(exc), self.status(exc)
+        if code in self.unsupported_codes or status == 501:
+            return False  # the store lacks the feature; asking again will not add it
+        if code in self.transient_codes:
+            return True
+        if status is not None:
+            return status >= 500 or status in _TRANSIENT_STATUSES
+        if isinstance(exc, _PERMANENT_OS_ERRORS):
+            return False
+        cause = exc.__cause__
+        if type(exc) is OSError and cause is not None and cause is not exc:
+            return self.transient(cause)
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        names = self.transient_classes | _COMMON_TRANSIENT_CLASSES
+        return any(cls.__name__ in names for cls in type(exc).__mro__)
+
+    def permanent(self, exc: BaseException, operation: str, url: str) -> OSError:
+        """The error a permanent failure is raised as, naming ``operation`` and ``url``."""
+        message = (
+            f"{operation} {url} failed: {_describe(exc)} (not retried: the error is permanent)"
+        )
+        code, status = self.code(exc), self.status(exc)
+        if isinstance(exc, FileNotFoundError) or code in self.missing_codes or status == 404:
+            return FileNotFoundError(message)
+        if isinstance(exc, PermissionError) or code in self.denied_codes or status in (401, 403):
+            return PermissionError(message)
+        return RemoteOperationError(message)
+
+
+# The rules of the stores that go through fsspec alone (local disk, memory://, any other
+# backend): Python's errors, the common connection errors, a ``StoreError``'s status.
+FSSPEC_ERRORS = ErrorRules()
 
 
 @dataclass(frozen=True)
@@ -192,10 +190,12 @@ class RetryPolicy:
         *,
         operation: str,
         url: str,
+        errors: ErrorRules,
         sleep: Callable[[float], None] = time.sleep,
         keep_permanent: bool = False,
     ) -> T:
-        """``fn()``, retried on transient failures.
+        """``fn()``, retried on the failures ``errors`` (the rules of the store it asks) calls
+        transient.
 
         ``keep_permanent``: re-raise a permanent failure as it is, for an ``fn`` whose own errors
         already say what is wrong (a malformed file: ``ValueError``).
@@ -212,12 +212,14 @@ class RetryPolicy:
             try:
                 return fn()
             except Exception as exc:
-                if keep_permanent and not is_transient(exc):
+                if keep_permanent and not errors.transient(exc):
                     raise
                 attempt += 1
-                sleep(self._delay_or_raise(exc, attempt, started, operation, url))
+                sleep(self._delay_or_raise(exc, errors, attempt, started, operation, url))
 
-    async def acall(self, fn: Callable[[], Awaitable[T]], *, operation: str, url: str) -> T:
+    async def acall(
+        self, fn: Callable[[], Awaitable[T]], *, operation: str, url: str, errors: ErrorRules
+    ) -> T:
         """``await fn()``, retried like :meth:`call`; for requests issued concurrently on one
         event loop."""
         started = time.monotonic()
@@ -227,14 +229,21 @@ class RetryPolicy:
                 return await fn()
             except Exception as exc:  # noqa: BLE001 - classified, then re-raised with context
                 attempt += 1
-                await asyncio.sleep(self._delay_or_raise(exc, attempt, started, operation, url))
+                delay = self._delay_or_raise(exc, errors, attempt, started, operation, url)
+                await asyncio.sleep(delay)
 
     def _delay_or_raise(
-        self, exc: Exception, attempt: int, started: float, operation: str, url: str
+        self,
+        exc: Exception,
+        errors: ErrorRules,
+        attempt: int,
+        started: float,
+        operation: str,
+        url: str,
     ) -> float:
         """The sleep before the next attempt, or raise if ``exc`` ends the retries."""
-        if not is_transient(exc):
-            raise _permanent(exc, operation, url) from exc
+        if not errors.transient(exc):
+            raise errors.permanent(exc, operation, url) from exc
         elapsed = time.monotonic() - started
         delay = random.uniform(0.0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
         if attempt >= self.max_attempts or elapsed + delay > self.deadline:
@@ -244,31 +253,6 @@ class RetryPolicy:
                 "store is only slow"
             ) from exc
         return delay
-
-
-def _permanent(exc: Exception, operation: str, url: str) -> OSError:
-    message = f"{operation} {url} failed: {_describe(exc)} (not retried: the error is permanent)"
-    code, status = _code(exc), _status(exc)
-    if isinstance(exc, FileNotFoundError) or code in _MISSING_CODES or status == 404:
-        return FileNotFoundError(message)
-    if isinstance(exc, PermissionError) or code in _DENIED_CODES or status in (401, 403):
-        return PermissionError(message)
-    return RemoteOperationError(message)
-
-
-def _code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    code = getattr(exc, "error_code", None)  # azure.core's HttpResponseError
-    return str(getattr(code, "value", code) or "")
-
-
-def _status(exc: BaseException) -> int | None:
-    """The HTTP status of a GCS or Azure error answer (``StoreError.status``, azure.core's
-    ``HttpResponseError.status_code``), or ``None``: not such an answer."""
-    status = exc.status if isinstance(exc, StoreError) else getattr(exc, "status_code", None)
-    return status if isinstance(status, int) and not isinstance(status, bool) else None
 
 
 def _describe(exc: BaseException) -> str:
