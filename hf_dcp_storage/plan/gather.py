@@ -157,9 +157,10 @@ def _row_pieces(runs: Runs, lo: np.ndarray, hi: np.ndarray, base: np.ndarray) ->
     run = take if isinstance(keep, slice) else keep[take]  # indices into ``runs``
     rows = np.empty((len(take), 4), dtype=np.int64, order="F")
     rows[:, 0] = runs.rank[run]
-    rows[:, 1] = a - np.repeat(base, counts)
-    rows[:, 2] = runs.staged[run] + a
-    rows[:, 3] = b - a
+    # Written straight into the columns (``out``): no temporary the size of the rows.
+    np.subtract(a, np.repeat(base, counts), out=rows[:, 1])
+    np.add(runs.staged[run], a, out=rows[:, 2])
+    np.subtract(b, a, out=rows[:, 3])
     return _Rows(rows, at)
 
 
@@ -187,12 +188,12 @@ def _column_chunks(
     offsets, sizes = np.take(placed.offsets, c, axis=0), np.take(placed.sizes, c, axis=0)
     last = _last_byte(placed, key, offsets, sizes) + file_base[placed.key_file[key]]
     take, counts = _reaching(first, last + 1, lo, hi)
+    del order, first, last  # one per column-sharded chunk: gone before the rows are made
     width = placed.offsets.shape[1]
-    chunk = c[take]
     rows = np.empty((len(take), 3 + 2 * width), dtype=np.int64, order="F")
-    rows[:, 0] = placed.rank[chunk]
+    rows[:, 0] = placed.rank[c][take]
     rows[:, 1] = in_file[key[take]]
-    rows[:, 2] = placed.staged[chunk]
+    rows[:, 2] = placed.staged[c][take]
     for d in range(width):
         rows[:, 3 + d], rows[:, 3 + width + d] = offsets[take, d], sizes[take, d]
     return _Rows(rows, np.concatenate(([0], np.cumsum(counts))))
