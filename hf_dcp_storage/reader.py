@@ -23,19 +23,20 @@ from torch.futures import Future
 
 from .format.compare import header_difference
 from .format.crc import crc32_of
-from .format.geometry import chunk_runs, element_size
+from .format.geometry import element_size
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
 from .io.direct import check_direct_io
 from .io.files import load_weight_map, read_header
-from .io.hostbuf import KeptHostBuffers, from_host
+from .io.hostbuf import KeptHostBuffers
 from .io.parallel import check_thread_count, parallel_map
-from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
+from .io.slabs import SLAB_BYTES, slab_bounds
 from .plan.reads import READ_GAP_BYTES
+from .reading import LoadStats, check_buffer_size, read_items, request_budget
 from .session.claim import Claim, released_on_error
 from .stores import ranges_for
-from .stores.base import Ranges
+from .stores.reads import Ranges
 from .stores.retry import RetryPolicy, policy_or_default
 
 __all__ = ["HFStorageReader"]
@@ -85,6 +86,10 @@ class HFStorageReader(StorageReader):
         direct_io: on local disk, read each run's aligned superset with ``O_DIRECT`` (no page
             cache): ``None`` as ``stores/local.READ_DIRECT_BY_DEFAULT`` decides, ``True`` (an error
             where the filesystem refuses it), ``False`` never.
+        buffer_size: the most host memory a rank's load holds for bytes on their way (an int,
+            or a string such as ``"512MB"``): half for slabs read into host memory (destinations
+            on an accelerator or of another dtype), half for ranged requests in flight
+            (``reading.py``). What one load read is in ``load_stats`` afterwards.
 
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is
@@ -99,7 +104,7 @@ class HFStorageReader(StorageReader):
 
     # Pickled as its settings and path (DCP's process-based async machinery, or a user's own
     # process pool): the ranged reader, host buffers and locks are made anew where it lands.
-    _SETTINGS = ("storage_options", "thread_count", "retry", "verify", "direct_io")
+    _SETTINGS = ("storage_options", "thread_count", "retry", "verify", "direct_io", "buffer_size")
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.checkpoint_id, **{k: getattr(self, k) for k in self._SETTINGS}}
@@ -116,6 +121,7 @@ class HFStorageReader(StorageReader):
         retry: RetryPolicy | None = None,
         verify: bool = False,
         direct_io: bool | None = None,
+        buffer_size: int | str = "512MB",
     ) -> None:
         super().__init__()
         self.storage_options = storage_options
@@ -128,7 +134,11 @@ class HFStorageReader(StorageReader):
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         # This rank's read items, between prepare_local_plan and read_data.
         self._kept: list[ReadItem] = []
-        self._host = KeptHostBuffers(thread_count)
+        self.buffer_size = check_buffer_size(buffer_size)
+        self.load_stats = LoadStats()
+        self._host = KeptHostBuffers(
+            thread_count, request_budget(self.buffer_size)[0] // SLAB_BYTES
+        )
         # The load using this reader (session/claim.py): a reader holds one load's state at a time.
         self.claim = Claim("HFStorageReader", "load", "loading", "a dcp.load in another thread")
         if path is not None:
@@ -274,8 +284,18 @@ class HFStorageReader(StorageReader):
                     self.thread_count,
                 )
             else:
-                parallel_map(
-                    lambda item: self._read_item(item, planner, fill), items, self.thread_count
+                self.load_stats = LoadStats()
+                read_items(
+                    items,
+                    planner,
+                    lambda item: self.storage_data[item.storage_index],
+                    lambda file: fsio.join(self.root, file),
+                    self._slab_bytes,
+                    reads,
+                    self._host,
+                    threads=self.thread_count,
+                    buffer_size=self.buffer_size,
+                    stats=self.load_stats,
                 )
         finally:
             reads.close()  # every read done: descriptors closed, buffers the next load's or save's
@@ -287,38 +307,6 @@ class HFStorageReader(StorageReader):
         return fut
 
     # -- helpers ------------------------------------------------------------------------------
-
-    def _read_item(
-        self,
-        item: ReadItem,
-        planner: LoadPlanner,
-        fill: Callable[[_Stored, Iterable[tuple[int, int, int]], memoryview], None],
-    ) -> None:
-        """Read one requested region slab by slab; ``fill`` reads byte runs into a buffer."""
-        stored = self.storage_data[item.storage_index]
-        target = planner.resolve_tensor(item).detach()
-        if tuple(target.shape) != tuple(item.lengths):
-            raise ValueError(
-                f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match "
-                f"requested {list(item.lengths)}"
-            )
-        itemsize = element_size(stored.dtype)
-        for r0, r1 in slab_bounds(item.lengths, itemsize, self._slab_bytes(stored, item)):
-            offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
-            dest = target[r0:r1] if item.lengths else target
-            runs = chunk_runs(stored.shape, offsets, sizes, itemsize)
-            # Read straight into the destination when it can take the raw bytes; else through a
-            # reusable host buffer, converted on the destination's device.
-            if dest.dtype == stored.dtype and dest.is_contiguous() and dest.device.type == "cpu":
-                fill(stored, runs, dest.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
-            else:
-                from_host(
-                    dest,
-                    lambda view, runs=runs: fill(stored, runs, view),
-                    stored.dtype,
-                    self._host(dest),
-                )
-        planner.commit_tensor(item, target)
 
     def _read_verified(
         self,

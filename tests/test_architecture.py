@@ -1,8 +1,8 @@
 """The layout of the package, pinned: one module per destination kind, the writer only speaks DCP,
 and data flows down the layers without climbing back.
 
-    integrations -> tools -> steps -> writer, reader, planner -> stores -> io, session -> plan
-    -> format
+    integrations -> tools -> steps -> writer, reader, planner -> reading -> stores -> io, session
+    -> plan -> format
 
 A module imports only from its own layer or the layers below (function-level imports count:
 they are dependencies too); there is no import cycle; a trainer integration builds on the public
@@ -27,14 +27,15 @@ LAYERS = {
     "io": 2,
     "session": 2,
     "stores": 3,
-    "writer": 4,
-    "reader": 4,
-    "planner": 4,
-    "steps": 5,
-    "tools": 6,
-    "__init__": 7,
-    "__main__": 7,
-    "integrations": 8,
+    "reading": 4,
+    "writer": 5,
+    "reader": 5,
+    "planner": 5,
+    "steps": 6,
+    "tools": 7,
+    "__init__": 8,
+    "__main__": 8,
+    "integrations": 9,
 }
 # What the trainer integrations may build on, and the trainer package each one (alone) imports.
 _INTEGRATION_BASES = {"__init__", "steps", "writer", "reader"}
@@ -270,6 +271,7 @@ _STORES_SURFACE = {
     "stores.registry",
     "stores.ranks",
     "stores.coordinator",
+    "stores.reads",
     "stores.retry",
 }
 # Error shapes of one SDK each (an S3 code, an Azure code, a botocore / azure.core class name),

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter
-from hf_dcp_storage.io.hostbuf import HostBuffers, from_host, to_host
+from hf_dcp_storage.io.hostbuf import HostBuffers, to_host
 from tests.support.data import read_checkpoint
 
 
@@ -63,20 +63,6 @@ def test_to_host_copies_non_contiguous_sources() -> None:
     src = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()  # a transposed view
     (host,) = list(to_host([src], torch.float32, HostBuffers(1, 1024), 1))
     assert torch.equal(host, src) and host.is_contiguous()
-
-
-def test_from_host_reads_raw_bytes_and_converts_into_any_destination() -> None:
-    stored = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
-    raw = stored.reshape(-1).view(torch.uint8).numpy().tobytes()
-    dest = torch.zeros(4, 3, dtype=torch.float32).t()  # non-contiguous, another dtype
-
-    def fill(view: memoryview) -> None:
-        view[:] = raw
-
-    pool = HostBuffers(1, 64)
-    from_host(dest, fill, torch.bfloat16, pool)
-    assert torch.equal(dest, stored.float())
-    assert len(pool._free) == 1
 
 
 def test_a_cast_save_and_load_reuse_a_bounded_pool(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ with a few buffers reused round-robin the host memory stays ``count x SLAB_BYTES
 model, the cast happens inside the copy, and on CUDA the buffers are pinned so that the
 device-to-host copy of slab k+1 runs on a side stream while slab k is being written
 (:func:`to_host`). Loading reads into a buffer and copies it to the destination, converting the
-dtype on the destination's device (:func:`from_host`). The code is the same for every device;
+dtype on the destination's device (``reading.py``). The code is the same for every device;
 the CPU test suite runs it with CPU tensors.
 
-Who calls what: the writer's and the reader's I/O threads, each with the pool of their storage
-object; a pool is thread-safe.
+Who calls what: the writer's I/O threads and the reader's batches (``reading.py``), each with the
+pool of their storage object; a pool is thread-safe.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from .slabs import SLAB_BYTES
 
-__all__ = ["HostBuffers", "KeptHostBuffers", "copy_into", "from_host", "to_host"]
+__all__ = ["HostBuffers", "KeptHostBuffers", "copy_into", "to_host"]
 
 
 class HostBuffers:
@@ -93,17 +93,18 @@ class KeptHostBuffers:
     """The host buffers of one writer (or reader): made on the first slab that needs one and
     kept across its saves (loads), since pinned memory is slow to allocate. Two per I/O thread
     (one being filled while the other is written or copied), pinned where the tensors live on
-    CUDA. Calling it with a slab's tensor returns the pool; thread-safe."""
+    CUDA (``count`` of them instead where given: a reader's batches of slabs take more).
+    Calling it with a slab's tensor returns the pool; thread-safe."""
 
-    def __init__(self, threads: int) -> None:
-        self._threads = threads
+    def __init__(self, threads: int, count: int | None = None) -> None:
+        self._count = count or 2 * threads
         self._lock = threading.Lock()
         self.pool: HostBuffers | None = None
 
     def __call__(self, tensor: torch.Tensor) -> HostBuffers:
         with self._lock:
             if self.pool is None:
-                self.pool = HostBuffers(2 * self._threads, pin=tensor.device.type == "cuda")
+                self.pool = HostBuffers(self._count, pin=tensor.device.type == "cuda")
             return self.pool
 
 
@@ -190,29 +191,3 @@ def _oldest(
     if event is not None:
         event.synchronize()
     return buf, host
-
-
-def from_host(dest: torch.Tensor, fill: Any, dtype: torch.dtype, pool: HostBuffers) -> None:
-    """Fill ``dest`` from storage bytes in ``dtype``: ``fill(view)`` reads them into a pooled host
-    buffer (``view``: a ``memoryview`` of its bytes), which is then copied into ``dest``.
-
-    On CUDA the copy is queued on the current stream and the call returns at once (the buffer
-    is pinned), so the caller reads the next slab while it runs; the buffer is refilled only
-    after it (``HostBuffers.acquire``), and ``pool.drain()`` waits for the last ones. A dtype
-    conversion runs on the device, after the copy of the stored bytes."""
-    buf = pool.acquire(dest.numel() * dtype.itemsize)
-    host = _view(buf, dtype, dest.shape)
-    event = None
-    try:
-        fill(host.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
-        if dest.device.type == "cuda":
-            if dest.dtype == dtype:
-                dest.copy_(host, non_blocking=True)  # straight into the shard
-            else:
-                dest.copy_(host.to(dest.device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(dest.device))
-        else:
-            dest.copy_(host)
-    finally:
-        pool.release(buf, event)

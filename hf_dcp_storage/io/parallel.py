@@ -43,21 +43,29 @@ def fetch_spans(
     read: Callable[[str, int, int], Awaitable[bytes]],
     spans: Sequence[tuple[str, int, int]],
     concurrency: int,
+    deliver: Callable[[int, bytes], None] | None = None,
 ) -> list[bytes]:
     """``[read(path, start, end) for each span]`` on the event loop ``loop`` (an fsspec async
     filesystem's), up to ``concurrency`` reads in flight, in the spans' order; an empty span
-    reads nothing. ``read`` is a store's one retried ranged GET."""
+    reads nothing. ``read`` is a store's one retried ranged GET. With ``deliver``, each span's
+    bytes go to ``deliver(index, data)`` as they arrive (on the loop) and are dropped, so no more
+    than ``concurrency`` are held at once; the list is then of empty bytes. The first failure
+    (of a read or of ``deliver``) is raised."""
 
     async def fetch_all() -> list[bytes]:
         gate = asyncio.Semaphore(concurrency)
 
-        async def one(path: str, start: int, end: int) -> bytes:
+        async def one(i: int, path: str, start: int, end: int) -> bytes:
             if end <= start:
                 return b""
             async with gate:
-                return await read(path, start, end)
+                data = await read(path, start, end)
+                if deliver is None:
+                    return data
+                deliver(i, data)  # inside the gate: the bytes are let go before the next read
+                return b""
 
-        return list(await asyncio.gather(*(one(*span) for span in spans)))
+        return list(await asyncio.gather(*(one(i, *span) for i, span in enumerate(spans))))
 
     return sync(loop, fetch_all)
 

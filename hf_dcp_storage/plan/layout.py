@@ -53,8 +53,9 @@ _UNITS = {
 }  # fmt: skip
 
 
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string like ``"5GB"`` (10**9) or ``"512MiB"`` (2**20).
+def parse_size(size: int | str, name: str = "max_shard_size") -> int:
+    """Bytes in ``size`` (the option ``name``): an int, or a string like ``"5GB"`` (10**9) or
+    ``"512MiB"`` (2**20).
 
     Raises:
         ValueError: not a positive size, with the accepted forms.
@@ -68,7 +69,7 @@ def parse_size(size: int | str) -> int:
             value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value is None or value < 1:
         raise ValueError(
-            f"max_shard_size={size!r} is not a positive size; pass bytes as an int or a string "
+            f"{name}={size!r} is not a positive size; pass bytes as an int or a string "
             "such as '5GB' (decimal) or '512MiB' (binary)"
         )
     return int(value)

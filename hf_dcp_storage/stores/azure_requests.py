@@ -18,7 +18,6 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
-from ..io.parallel import fetch_spans
 from ..plan.azureplan import block_id
 from .parts import PartRef, PartsClient, quietly
 from .retry import ErrorRules, RetryPolicy
@@ -176,28 +175,20 @@ class Azure(PartsClient):
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def get_spans(
-        self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16
-    ) -> list[bytes]:
-        async def read(path: str, start: int, end: int) -> bytes:
-            async def once() -> bytes:
-                async with self._blob(path) as client:
-                    stream = await client.download_blob(
-                        offset=start, length=end - start, max_concurrency=1, **_NO_SDK_RETRY
-                    )
-                    return await stream.readall()
+    async def read_span(self, path: str, start: int, end: int) -> bytes:
+        async def once() -> bytes:
+            async with self._blob(path) as client:
+                stream = await client.download_blob(
+                    offset=start, length=end - start, max_concurrency=1, **_NO_SDK_RETRY
+                )
+                return await stream.readall()
 
-            return await self.retry.acall(
-                once,
-                operation=f"GET bytes {start}-{end - 1} of",
-                url=self.url(path),
-                errors=self.errors,
-            )
-
-        return fetch_spans(self.fs.loop, read, spans, concurrency)
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        return self.get_spans([(path, start, end)])[0]
+        return await self.retry.acall(
+            once,
+            operation=f"GET bytes {start}-{end - 1} of",
+            url=self.url(path),
+            errors=self.errors,
+        )
 
 
 def _body(data: bytes | bytearray | memoryview) -> bytes | bytearray:

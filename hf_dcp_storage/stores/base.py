@@ -1,5 +1,5 @@
 """The one interface every destination kind implements: how a save's bytes get from the ranks into
-consolidated files, and how a loader reads byte ranges back.
+consolidated files, and which ``Ranges`` a loader reads them back through (``stores/reads.py``).
 
 A save calls a ``Store`` in this order (``writer.py``; a store holds one save's state, and the
 writer makes a new one for every save):
@@ -28,9 +28,9 @@ import logging
 import posixpath
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
@@ -42,23 +42,19 @@ from ..io.items import Place
 from ..plan.layout import Layout
 from ..plan.placed import PlacedChunks
 from ..plan.rankplan import Finished, RankPlan
-from ..plan.reads import coalesce
 from ..session.records import CompletionRecord
+from .reads import Ranges
 from .retry import FSSPEC_ERRORS, ErrorRules, RetryPolicy
 
 __all__ = [
     "STAGING_DIR",
     "MergeStats",
-    "RangeReads",
-    "Ranges",
-    "Reads",
     "Slabs",
     "Store",
     "staged_path",
 ]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # The save's own records (``session/records.py``) and per-rank staged objects live here until the
 # coordinator has written the index; then the folder is removed.
@@ -120,105 +116,6 @@ class MergeStats:
     @property
     def client_fraction(self) -> float:
         return self.client_bytes / self.total_bytes if self.total_bytes else 0.0
-
-
-class Ranges:
-    """How a loader reads byte ranges of a store's objects: fsspec's ``cat_ranges`` (concurrent
-    on async stores), retried on transient failures. Stores with a faster path subclass it
-    (their own ranged GETs; local files read in place)."""
-
-    # Whether a load's nearby byte runs are fetched as one request (``plan/reads.coalesce``),
-    # gaps included: where each request costs a round trip. Local reads take each run exactly.
-    coalesces: ClassVar[bool] = True
-
-    def __init__(
-        self, fs: AbstractFileSystem, retry: RetryPolicy, errors: ErrorRules = FSSPEC_ERRORS
-    ) -> None:
-        # ``errors``: the store's rules (``Store.errors``), for whatever else a loader asks the
-        # store through ``fs`` (listing, index, headers) beside these reads.
-        self.fs, self.retry, self.errors = fs, retry, errors
-
-    def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of each range (fewer only where the object is shorter)."""
-        return self.retry.call(
-            lambda: self.fs.cat_ranges(
-                [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges]
-            ),
-            operation="read byte ranges of",
-            url=fsio.url_of(self.fs, path),
-            errors=self.errors,
-        )
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``path`` (fewer only if the object is shorter)."""
-        return self.retry.call(
-            lambda: fsio.read_range(self.fs, path, start, end),
-            operation=f"read bytes {start}-{end - 1} of",
-            url=fsio.url_of(self.fs, path),
-            errors=self.errors,
-        )
-
-    def retried(self, fn: Callable[[], T], *, operation: str, url: str) -> T:
-        """``fn()``: a loader's own requests through ``fs`` (a listing, the index, a header),
-        retried by the store's rules, as s3fs retries neither a 500 nor a reset; a permanent
-        failure (a malformed index) keeps its own error."""
-        return self.retry.call(
-            fn, operation=operation, url=url, errors=self.errors, keep_permanent=True
-        )
-
-    def open_reads(self, direct_io: bool | None) -> Reads:
-        """(each rank, once per load) What this load's reads go through; closed when the rank's
-        reads are done. ``direct_io``: the reader's option (only local files honour it)."""
-        return RangeReads(self)
-
-
-class Reads(Protocol):
-    """One rank's reads of a load (``Ranges.open_reads``): byte runs of files into buffers."""
-
-    def read_runs(
-        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
-    ) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class RangeReads:
-    """One rank's reads of a load through ``ranges``: byte runs of files into buffers, nearby
-    runs joined into one request (``plan/reads.coalesce``), the requests in parallel.
-    Thread-safe."""
-
-    def __init__(self, ranges: Ranges) -> None:
-        self.ranges = ranges
-
-    def read_runs(
-        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
-    ) -> None:
-        """Fill ``view`` with ``runs`` of ``path``: each ``(offset from start, offset in view,
-        bytes)``.
-
-        Raises:
-            ValueError: the file ends before a run does (truncated), naming it.
-        """
-        spans = [(start + t, start + t + n) for t, _, n in runs]
-        requests = coalesce(spans)
-        blobs: list[Any] = self.ranges.get_ranges(path, requests)
-        j = 0
-        for (_, c, n), (s, e) in zip(runs, spans, strict=True):
-            while requests[j][1] < e:
-                j += 1
-            blob, r0 = blobs[j], requests[j][0]
-            if isinstance(blob, BaseException):
-                raise blob
-            if len(blob) < e - r0:
-                url = fsio.url_of(self.ranges.fs, path)
-                raise ValueError(
-                    f"{url}: got {len(blob)} of {requests[j][1] - r0} bytes at {r0}; the file is "
-                    "truncated"
-                )
-            view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
-
-    def close(self) -> None:
-        """Nothing is held between requests."""
 
 
 class Store(ABC):

@@ -20,7 +20,7 @@ from urllib.parse import quote
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
-from ..io.parallel import fetch_spans, parallel_map
+from ..io.parallel import parallel_map
 from ..plan.gcsplan import part_name
 from .base import STAGING_DIR
 from .parts import PartRef, PartsClient, quietly
@@ -170,29 +170,21 @@ class GCS(PartsClient):
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def get_spans(
-        self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16
-    ) -> list[bytes]:
-        async def read(path: str, start: int, end: int) -> bytes:
-            bucket, key = _key(path)
-            target = (
-                f"{self.fs._location}/download/storage/v1/b/{quote(bucket, safe='')}"
-                f"/o/{quote(key, safe='')}"
-            )
-            _, _, data = await self.retry.acall(
-                lambda: self._once(
-                    "GET", target, alt="media", headers={"Range": f"bytes={start}-{end - 1}"}
-                ),
-                operation=f"GET bytes {start}-{end - 1} of",
-                url=self.url(path),
-                errors=self.errors,
-            )
-            return data
-
-        return fetch_spans(self.fs.loop, read, spans, concurrency)
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        return self.get_spans([(path, start, end)])[0]
+    async def read_span(self, path: str, start: int, end: int) -> bytes:
+        bucket, key = _key(path)
+        target = (
+            f"{self.fs._location}/download/storage/v1/b/{quote(bucket, safe='')}"
+            f"/o/{quote(key, safe='')}"
+        )
+        _, _, data = await self.retry.acall(
+            lambda: self._once(
+                "GET", target, alt="media", headers={"Range": f"bytes={start}-{end - 1}"}
+            ),
+            operation=f"GET bytes {start}-{end - 1} of",
+            url=self.url(path),
+            errors=self.errors,
+        )
+        return data
 
 
 class ResumableWriter:

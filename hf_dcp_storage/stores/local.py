@@ -28,7 +28,8 @@ from ..io.items import tensor_bytes
 from ..io.parallel import parallel_map
 from ..plan.layout import Layout
 from ..plan.rankplan import Finished, RankPlan, Written
-from .base import Ranges, Slabs, Store
+from .base import Slabs, Store
+from .reads import Ranges, SlabRead
 from .retry import RetryPolicy
 
 __all__ = ["READ_DIRECT_BY_DEFAULT", "LocalRanges", "LocalStore"]
@@ -74,6 +75,17 @@ class LocalReads:
                 pread_run(direct_fd, fd, view[c : c + n], start + t, self.buffers, where=path)
             else:
                 fsio.pread_into(fd, view[c : c + n], start + t, where=path)
+
+    def read_batch(
+        self, slabs: Sequence[SlabRead], *, threads: int, in_flight: int, request_bytes: int
+    ) -> tuple[int, int]:
+        """Each slab's runs read where they are, ``threads`` slabs at a time: a local read costs
+        no round trip, so nothing is joined (``in_flight`` and ``request_bytes`` are for stores
+        where one does)."""
+        parallel_map(lambda slab: self.read_runs(*slab), slabs, threads)
+        return sum(len(runs) for _, _, runs, _ in slabs), sum(
+            n for _, _, runs, _ in slabs for _, _, n in runs
+        )
 
     def close(self) -> None:
         """Close the files; the aligned buffers go back to the pool (the next load's or save's)."""

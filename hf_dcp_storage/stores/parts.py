@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..io import fsio
-from ..io.parallel import parallel_map
+from ..io.parallel import fetch_spans, parallel_map
 from ..plan.layout import Layout
 from ..plan.partplan import PartsRankPlan, parts_rank_plans, plan_parts
 from ..plan.parts import GatherPart, PartRules, RankPart
@@ -48,7 +48,7 @@ from ..plan.placed import PlacedChunks, place_items
 from ..plan.rankplan import Finished, RankPlan, WrittenRows
 from ..plan.spread import GatherTask, GatherTasks
 from ..session.records import COMPLETION_RECORD, CompletionRecord
-from .base import STAGING_DIR, Ranges, Slabs, Store
+from .base import STAGING_DIR, Slabs, Store
 from .filling import (
     FileShare,
     GatheredSources,
@@ -58,6 +58,7 @@ from .filling import (
     with_parts,
     write_by_file,
 )
+from .reads import Ranges
 from .retry import ErrorRules, RetryPolicy
 
 __all__ = ["ClientRanges", "PartRef", "PartsClient", "PartsStore", "Uploader", "quietly"]
@@ -101,11 +102,25 @@ class PartsClient(ABC):
         """Write a whole object in one request (readers see all of it or nothing); its metadata."""
 
     @abstractmethod
+    async def read_span(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` in one retried ranged GET, on ``fs``'s event loop
+        (fewer only if the object is shorter)."""
+
     def get_spans(
-        self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16
+        self,
+        spans: Sequence[tuple[str, int, int]],
+        *,
+        concurrency: int = 16,
+        deliver: Callable[[int, bytes], None] | None = None,
     ) -> list[bytes]:
         """Bytes ``[start, end)`` of each ``(path, start, end)``, with up to ``concurrency`` in
-        flight."""
+        flight; with ``deliver``, each handed to ``deliver(index, data)`` as it arrives (on the
+        event loop) instead, so that at most ``concurrency`` are held at once."""
+        return fetch_spans(self.fs.loop, self.read_span, spans, concurrency, deliver)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path``; fewer only if the object is shorter."""
+        return self.get_spans([(path, start, end)])[0]
 
     @abstractmethod
     def upload_part(
@@ -113,10 +128,6 @@ class PartsClient(ABC):
     ) -> dict[str, Any]:
         """Upload one part of a file of the checkpoint at ``root``; its ``{"PartNumber", "ETag"}``
         entry (``ETag``: what identifies this upload of the part when the file is assembled)."""
-
-    @abstractmethod
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``path``; fewer only if the object is shorter."""
 
     @abstractmethod
     def staged_writer(self, path: str, size: int) -> Any:
@@ -324,6 +335,14 @@ class ClientRanges(Ranges):
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
         return self.client.get_range(path, start, end)
+
+    def fetch(
+        self,
+        spans: Sequence[tuple[str, int, int]],
+        concurrency: int,
+        deliver: Callable[[int, bytes], None],
+    ) -> None:
+        self.client.get_spans(spans, concurrency=concurrency, deliver=deliver)
 
 
 class Uploader(Generic[_Part]):

@@ -22,7 +22,8 @@ from ..io import fsio
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from .base import Ranges, Store
+    from .base import Store
+    from .reads import Ranges
 
 __all__ = [
     "Backend",

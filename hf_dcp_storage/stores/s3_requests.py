@@ -21,7 +21,6 @@ from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
 from ..io import fsio
-from ..io.parallel import fetch_spans
 from ..plan.parts import MIN_PART_BYTES
 from .parts import PartRef, PartsClient, Uploader, quietly
 from .retry import ErrorRules, RetryPolicy
@@ -140,43 +139,22 @@ class S3(PartsClient):
             errors=self.errors,
         )
 
-    def get_ranges(
-        self, path: str, ranges: Sequence[tuple[int, int]], *, concurrency: int = 16
-    ) -> list[bytes]:
-        """Bytes ``[start, end)`` of each range, fetched with up to ``concurrency`` GETs in
-        flight."""
-        return self.get_spans(
-            [(path, start, end) for start, end in ranges], concurrency=concurrency
+    async def read_span(self, path: str, start: int, end: int) -> bytes:
+        bucket, key = _bucket_key(path)
+        kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        r = await self.retry.acall(
+            lambda: self._once("get_object", kwargs),
+            operation=f"GET bytes {start}-{end - 1} of",
+            url=f"s3://{path}",
+            errors=self.errors,
         )
-
-    def get_spans(
-        self, spans: Sequence[tuple[str, int, int]], *, concurrency: int = 16
-    ) -> list[bytes]:
-        """Bytes ``[start, end)`` of each ``(path, start, end)``, of any objects, with up to
-        ``concurrency`` GETs in flight."""
-
-        async def read(path: str, start: int, end: int) -> bytes:
-            bucket, key = _bucket_key(path)
-            kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
-            r = await self.retry.acall(
-                lambda: self._once("get_object", kwargs),
-                operation=f"GET bytes {start}-{end - 1} of",
-                url=f"s3://{path}",
-                errors=self.errors,
-            )
-            return r["Data"]
-
-        return fetch_spans(self.fs.loop, read, spans, concurrency)
+        return r["Data"]
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
         """One PUT: atomic on S3, and retried; its ``{"ETag"}``."""
         bucket, key = _bucket_key(path)
         r = self._call("put_object", "PUT", path, Bucket=bucket, Key=key, Body=data)
         return {"ETag": r.get("ETag")}
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)``; fewer only if the object is shorter."""
-        return self.get_ranges(path, [(start, end)])[0]
 
     def create_upload(self, path: str) -> str:
         """A new multipart upload of ``path``; its id.

@@ -1,0 +1,245 @@
+"""A rank's reads of a load, batched across tensors: what ``HFStorageReader.read_data`` does on
+every rank (but with ``verify``, where a tensor is read whole to be checksummed).
+
+Every read item is cut into slabs (parts of its destination region of at most a slab's bytes,
+``io/slabs.py``). A slab's bytes go straight into its destination where it takes them raw (a
+contiguous CPU tensor of the stored dtype); else into host memory, to be copied into the
+destination (converted on its device) once read. The slabs, in file order, go to the store's
+``Reads`` in batches (``Reads.read_batch``, which joins near byte runs of a file across tensors
+into few large requests); a batch closes where the host memory its slabs take would pass half
+the reader's ``buffer_size``, the other half bounding the requests in flight. An item is
+committed once its last slab is in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+
+from .format.geometry import chunk_runs, element_size
+from .io.hostbuf import HostBuffers
+from .io.parallel import parallel_map
+from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
+from .plan.layout import parse_size
+from .plan.reads import REQUEST_BYTES
+from .stores.reads import Reads, SlabRead
+
+__all__ = ["LoadStats", "check_buffer_size", "read_items", "request_budget"]
+
+# Slabs packed into one host buffer start at multiples of this, so each views as any dtype.
+_ALIGN = 64
+
+
+class StoredTensor(Protocol):
+    """Where one whole tensor's bytes are (the reader's ``storage_data`` values)."""
+
+    @property
+    def file(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+S = TypeVar("S", bound=StoredTensor)
+
+
+@dataclass
+class LoadStats:
+    """What one rank's load read (``HFStorageReader.load_stats``; each load starts it anew):
+    ``requests`` sent and the bytes they read (``bytes_read``, gaps included) for the
+    ``bytes_wanted``, in ``batches``; ``host_bytes_peak``: the most host memory a batch's slabs
+    took; ``in_flight_bytes``: the bound on the bytes of requests in flight."""
+
+    requests: int = 0
+    bytes_read: int = 0
+    bytes_wanted: int = 0
+    batches: int = 0
+    host_bytes_peak: int = 0
+    in_flight_bytes: int = 0
+
+
+@dataclass
+class _Slab:
+    item: int
+    path: str
+    start: int
+    runs: list[tuple[int, int, int]]
+    dest: torch.Tensor
+    dtype: torch.dtype  # as stored
+    nbytes: int
+    raw: bool  # the destination takes the stored bytes as they are
+
+
+def request_budget(buffer_size: int) -> tuple[int, int, int]:
+    """``(host bytes for slabs, requests in flight, bytes per request)`` of a load holding at
+    most ``buffer_size`` bytes on their way: half for the slabs of a batch, half for requests."""
+    half = buffer_size // 2
+    request_bytes = min(REQUEST_BYTES, half)
+    return half, max(1, half // request_bytes), request_bytes
+
+
+def read_items(
+    items: Sequence[ReadItem],
+    planner: LoadPlanner,
+    stored_of: Callable[[ReadItem], S],
+    path_of: Callable[[str], str],
+    slab_bytes: Callable[[S, ReadItem], int],
+    reads: Reads,
+    host: Callable[[torch.Tensor], HostBuffers],
+    *,
+    threads: int,
+    buffer_size: int,
+    stats: LoadStats,
+) -> None:
+    """(each rank) Read every item into ``planner``'s tensors and commit it.
+
+    ``stored_of(item)``: where its tensor's bytes are; ``path_of(file)``: that file's path;
+    ``slab_bytes``: bytes of destination per slab; ``host(dest)``: the pool of host buffers for
+    slabs that do not take raw bytes (``count x nbytes`` is the most a batch takes of it).
+
+    Raises:
+        ValueError: a destination region whose shape is not the one requested; a file shorter
+            than its header says (``Reads.read_batch``).
+    """
+    budget, in_flight, request_bytes = request_budget(buffer_size)
+    stats.in_flight_bytes = in_flight * request_bytes
+    targets: dict[int, torch.Tensor] = {}
+    left: dict[int, int] = {}
+    batch: list[tuple[_Slab, memoryview]] = []
+    buffers: list[torch.Tensor] = []
+    pool: HostBuffers | None = None
+    used = 0  # bytes taken of the last host buffer
+
+    def release(done: Any = None) -> None:
+        nonlocal used
+        for buf in buffers:
+            assert pool is not None
+            pool.release(buf, done)  # also on failure: the reader keeps its pool across loads
+        buffers.clear()
+        used = 0
+
+    def flush() -> None:
+        if not batch:
+            return
+        done = None
+        try:
+            slabs: list[SlabRead] = [(s.path, s.start, s.runs, view) for s, view in batch]
+            requests, nbytes = reads.read_batch(
+                slabs, threads=threads, in_flight=in_flight, request_bytes=request_bytes
+            )
+            stats.requests += requests
+            stats.bytes_read += nbytes
+            stats.batches += 1
+            stats.host_bytes_peak = max(stats.host_bytes_peak, sum(b.numel() for b in buffers))
+            parallel_map(_finish, [(s, v) for s, v in batch if not s.raw], threads)
+            device = next((s.dest.device for s, _ in batch if s.dest.device.type == "cuda"), None)
+            if device is not None:
+                done = torch.cuda.Event()  # the buffers are refilled only after their copies
+                done.record(torch.cuda.current_stream(device))
+        finally:
+            release(done)
+        for s, _ in batch:
+            left[s.item] -= 1
+            if left[s.item] == 0:
+                planner.commit_tensor(items[s.item], targets.pop(s.item))
+        batch.clear()
+
+    try:
+        for slab in _slabs(items, planner, stored_of, path_of, slab_bytes, targets, left):
+            stats.bytes_wanted += sum(n for _, _, n in slab.runs)
+            if slab.raw:
+                view = slab.dest.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+                batch.append((slab, view))
+                continue
+            pool = pool or host(slab.dest)
+            need = -(-slab.nbytes // _ALIGN) * _ALIGN
+            if not buffers or used + need > buffers[-1].numel():
+                if len(buffers) >= max(1, min(pool.count, budget // pool.nbytes)):
+                    flush()
+                buffers.append(pool.acquire(need))
+                used = 0
+            batch.append((slab, buffers[-1][used : used + slab.nbytes].numpy().data.cast("B")))
+            used += need
+        flush()
+    finally:
+        release()  # what a failure left acquired (nothing, after a clean last flush)
+
+
+def _slabs(
+    items: Sequence[ReadItem],
+    planner: LoadPlanner,
+    stored_of: Callable[[ReadItem], S],
+    path_of: Callable[[str], str],
+    slab_bytes: Callable[[S, ReadItem], int],
+    targets: dict[int, torch.Tensor],
+    left: dict[int, int],
+) -> Iterator[_Slab]:
+    """Every item's slabs, items in file order (by file, then where the tensor and its region
+    start), each item's destination resolved as its first slab is made."""
+    stored = [stored_of(item) for item in items]
+    order = sorted(
+        range(len(items)),
+        key=lambda i: (stored[i].file, stored[i].start, tuple(items[i].storage_offsets)),
+    )
+    for i in order:
+        item, where = items[i], stored[i]
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != tuple(item.lengths):
+            raise ValueError(
+                f"{item.dest_index.fqn!r}: destination region {list(target.shape)} does not match "
+                f"requested {list(item.lengths)}"
+            )
+        itemsize = element_size(where.dtype)
+        bounds = list(slab_bounds(item.lengths, itemsize, slab_bytes(where, item)))
+        targets[i], left[i] = target, len(bounds)
+        for r0, r1 in bounds:
+            offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
+            dest = target[r0:r1] if item.lengths else target
+            raw = dest.dtype == where.dtype and dest.is_contiguous() and dest.device.type == "cpu"
+            yield _Slab(
+                i,
+                path_of(where.file),
+                where.start,
+                list(chunk_runs(where.shape, offsets, sizes, itemsize)),
+                dest,
+                where.dtype,
+                math.prod(sizes) * itemsize,
+                raw,
+            )
+
+
+def _finish(slab_view: tuple[_Slab, memoryview]) -> None:
+    """Copy a slab read into host memory into its destination, converting it on the
+    destination's device (queued on CUDA: the host buffer is pinned)."""
+    slab, view = slab_view
+    if not slab.nbytes:
+        return  # an empty region: nothing to copy (and no buffer to view)
+    host = torch.frombuffer(view, dtype=slab.dtype).view(slab.dest.shape)
+    if slab.dest.device.type == "cuda":
+        if slab.dest.dtype == slab.dtype:
+            slab.dest.copy_(host, non_blocking=True)
+        else:
+            slab.dest.copy_(host.to(slab.dest.device, non_blocking=True))
+    else:
+        slab.dest.copy_(host)
+
+
+def check_buffer_size(buffer_size: int | str) -> int:
+    """The ``buffer_size`` option in bytes: at least four slabs (two in host memory, two
+    requests' worth in flight)."""
+    size = parse_size(buffer_size, "buffer_size")
+    if size < 4 * SLAB_BYTES:
+        raise ValueError(
+            f"buffer_size={buffer_size!r} is {size} bytes; a load needs at least "
+            f"{4 * SLAB_BYTES >> 20}MiB (two {SLAB_BYTES >> 20} MiB slabs and two requests on "
+            'their way): give a larger one (the default is "512MB")'
+        )
+    return size

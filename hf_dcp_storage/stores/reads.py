@@ -1,0 +1,191 @@
+"""How a load reads a store: ``Ranges`` (a store's ranged reads, retried by its rules), and the
+``Reads`` one rank's load goes through (``Ranges.open_reads``).
+
+A rank's load hands its reads over in batches (``reading.py``): every slab of every tensor it
+reads, each a few byte runs of one file and the buffer they go to. ``RangeReads``, for stores
+where each request costs a round trip, plans a batch's requests across all of them at once, per
+file (``plan/reads.plan_requests``: runs sorted, near ones joined, cut to a request size), sends
+them concurrently across files, and copies each answer into its slabs as it arrives, so a load
+sends about one request per joined span or request size, not one per tensor, and holds no more
+than the requests in flight. Local files are read run by run instead (``stores/local.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from fsspec import AbstractFileSystem
+
+from ..io import fsio
+from ..plan.reads import REQUEST_BYTES, coalesce, plan_requests
+from .retry import FSSPEC_ERRORS, ErrorRules, RetryPolicy
+
+__all__ = ["RangeReads", "Ranges", "Reads", "SlabRead"]
+
+T = TypeVar("T")
+
+# One slab of a batch: ``(path, start, runs, view)``: the runs ``(offset from start, offset in
+# view, bytes)`` of file ``path`` (``start``: its tensor's first byte) that fill ``view``.
+SlabRead = tuple[str, int, Sequence[tuple[int, int, int]], memoryview]
+
+
+class Ranges:
+    """How a loader reads byte ranges of a store's objects: fsspec's ``cat_ranges`` (concurrent
+    on async stores), retried on transient failures. Stores with a faster path subclass it
+    (their own ranged GETs; local files read in place)."""
+
+    # Whether a load's nearby byte runs are fetched as one request (``plan/reads.coalesce``),
+    # gaps included: where each request costs a round trip. Local reads take each run exactly.
+    coalesces: ClassVar[bool] = True
+
+    def __init__(
+        self, fs: AbstractFileSystem, retry: RetryPolicy, errors: ErrorRules = FSSPEC_ERRORS
+    ) -> None:
+        # ``errors``: the store's rules (``Store.errors``), for whatever else a loader asks the
+        # store through ``fs`` (listing, index, headers) beside these reads.
+        self.fs, self.retry, self.errors = fs, retry, errors
+
+    def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of each range (fewer only where the object is shorter)."""
+        return self.retry.call(
+            lambda: self.fs.cat_ranges(
+                [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges]
+            ),
+            operation="read byte ranges of",
+            url=fsio.url_of(self.fs, path),
+            errors=self.errors,
+        )
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` (fewer only if the object is shorter)."""
+        return self.retry.call(
+            lambda: fsio.read_range(self.fs, path, start, end),
+            operation=f"read bytes {start}-{end - 1} of",
+            url=fsio.url_of(self.fs, path),
+            errors=self.errors,
+        )
+
+    def fetch(
+        self,
+        spans: Sequence[tuple[str, int, int]],
+        concurrency: int,
+        deliver: Callable[[int, bytes], None],
+    ) -> None:
+        """Hand the bytes ``[start, end)`` of each ``(path, start, end)`` to ``deliver(index,
+        data)``, at most ``concurrency`` held at once: here ``concurrency`` spans per
+        ``cat_ranges`` call (one retried call each: a failure raised, not returned), in order."""
+        for at in range(0, len(spans), concurrency):
+            batch = spans[at : at + concurrency]
+            paths, starts, ends = zip(*batch, strict=True)
+            blobs: list[bytes] = self.retry.call(
+                functools.partial(
+                    self.fs.cat_ranges, list(paths), list(starts), list(ends), on_error="raise"
+                ),
+                operation="read byte ranges of",
+                url=fsio.url_of(self.fs, batch[0][0]),
+                errors=self.errors,
+            )
+            for k, blob in enumerate(blobs):
+                deliver(at + k, blob)
+
+    def retried(self, fn: Callable[[], T], *, operation: str, url: str) -> T:
+        """``fn()``: a loader's own requests through ``fs`` (a listing, the index, a header),
+        retried by the store's rules, as s3fs retries neither a 500 nor a reset; a permanent
+        failure (a malformed index) keeps its own error."""
+        return self.retry.call(
+            fn, operation=operation, url=url, errors=self.errors, keep_permanent=True
+        )
+
+    def open_reads(self, direct_io: bool | None) -> Reads:
+        """(each rank, once per load) What this load's reads go through; closed when the rank's
+        reads are done. ``direct_io``: the reader's option (only local files honour it)."""
+        return RangeReads(self)
+
+
+class Reads(Protocol):
+    """One rank's reads of a load (``Ranges.open_reads``): byte runs of files into buffers."""
+
+    def read_runs(
+        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
+    ) -> None:
+        """Fill ``view`` with ``runs`` of ``path`` (``(offset from start, offset in view,
+        bytes)``), alone."""
+
+    def read_batch(
+        self, slabs: Sequence[SlabRead], *, threads: int, in_flight: int, request_bytes: int
+    ) -> tuple[int, int]:
+        """Fill every slab's view; ``threads`` I/O threads, at most ``in_flight`` requests of at
+        most ``request_bytes`` each held at once. Returns the requests sent and the bytes they
+        read (gaps included).
+
+        Raises:
+            ValueError: a file ends before a run does (truncated), naming the file and range.
+        """
+
+    def close(self) -> None: ...
+
+
+class RangeReads:
+    """One rank's reads of a load through ``ranges``: a batch's byte runs planned into few large
+    requests per file (``plan/reads.plan_requests``), sent concurrently; one slab's runs alone
+    joined where near (``plan/reads.coalesce``). Thread-safe."""
+
+    def __init__(self, ranges: Ranges) -> None:
+        self.ranges = ranges
+
+    def read_runs(
+        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
+    ) -> None:
+        spans = [(start + t, start + t + n) for t, _, n in runs]
+        requests = coalesce(spans)
+        blobs: list[Any] = self.ranges.get_ranges(path, requests)
+        j = 0
+        for (_, c, n), (s, e) in zip(runs, spans, strict=True):
+            while requests[j][1] < e:
+                j += 1
+            blob, r0 = blobs[j], requests[j][0]
+            if isinstance(blob, BaseException):
+                raise blob
+            self._check_length(path, r0, requests[j][1], len(blob), e - r0)
+            view[c : c + n] = memoryview(blob)[s - r0 : e - r0]
+
+    def read_batch(
+        self,
+        slabs: Sequence[SlabRead],
+        *,
+        threads: int,
+        in_flight: int,
+        request_bytes: int = REQUEST_BYTES,
+    ) -> tuple[int, int]:
+        wants: dict[str, list[tuple[int, int, int, int]]] = {}
+        for i, (path, start, runs, _) in enumerate(slabs):
+            wants.setdefault(path, []).extend((start + t, start + t + n, i, c) for t, c, n in runs)
+        spans: list[tuple[str, int, int]] = []
+        pieces: list[tuple[tuple[int, int, int, int], ...]] = []
+        for path, wanted in wants.items():
+            for request in plan_requests(wanted, request_bytes=request_bytes):
+                spans.append((path, request.start, request.end))
+                pieces.append(request.pieces)
+
+        def deliver(k: int, blob: bytes) -> None:
+            path, start, end = spans[k]
+            needed = max(at + n for at, n, _, _ in pieces[k])
+            self._check_length(path, start, end, len(blob), needed)
+            data = memoryview(blob)
+            for at, n, slab, offset in pieces[k]:
+                slabs[slab][3][offset : offset + n] = data[at : at + n]
+
+        self.ranges.fetch(spans, in_flight, deliver)
+        return len(spans), sum(end - start for _, start, end in spans)
+
+    def _check_length(self, path: str, start: int, end: int, got: int, needed: int) -> None:
+        if got < needed:
+            raise ValueError(
+                f"{fsio.url_of(self.ranges.fs, path)}: got {got} of {end - start} bytes at "
+                f"{start}; the file is truncated"
+            )
+
+    def close(self) -> None:
+        """Nothing is held between requests."""
