@@ -28,7 +28,7 @@ from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
 from .io import fsio
 from .io.direct import check_direct_io
-from .io.files import load_weight_map, read_header
+from .io.files import Head, load_weight_map, read_head, read_header
 from .io.hostbuf import KeptHostBuffers
 from .io.parallel import check_thread_count, parallel_map
 from .io.slabs import SLAB_BYTES, slab_bounds
@@ -36,7 +36,7 @@ from .plan.reads import READ_GAP_BYTES
 from .reading import LoadStats, check_buffer_size, read_items, request_budget
 from .session.claim import Claim, released_on_error
 from .stores import ranges_for
-from .stores.reads import Ranges
+from .stores.reads import KeptReads, Ranges
 from .stores.retry import RetryPolicy, policy_or_default
 
 __all__ = ["HFStorageReader"]
@@ -94,9 +94,8 @@ class HFStorageReader(StorageReader):
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is
         missing. ValueError: malformed index, a file name escaping the folder, corrupt or truncated
-        files;
-            with ``verify=True``, an index without checksums, or a file whose header differs
-            from the index's copy of it.
+        files; with ``verify=True``, an index without checksums, or a file whose header differs
+        from the index's copy of it.
 
     Raises (from ``read_data``, with ``verify=True``):
         ValueError: a tensor whose bytes fail their checksum, naming its file and key.
@@ -134,6 +133,7 @@ class HFStorageReader(StorageReader):
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         # This rank's read items, between prepare_local_plan and read_data.
         self._kept: list[ReadItem] = []
+        self._heads: dict[str, tuple[int, bytes]] = {}  # bytes after headers read (read_head)
         self.buffer_size = check_buffer_size(buffer_size)
         self.load_stats = LoadStats()
         self._host = KeptHostBuffers(
@@ -165,7 +165,7 @@ class HFStorageReader(StorageReader):
             self.checkpoint_id = checkpoint_id
             self.fs, self.root = fsio.resolve(checkpoint_id, self.storage_options)
             self._ranges = ranges_for(self.fs, self.retry)
-        self.storage_data = {}
+        self.storage_data, self._heads = {}, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
@@ -197,16 +197,17 @@ class HFStorageReader(StorageReader):
         if self.verify:
             self._check_recorded(recorded)
         unrecorded = [f for f in files if f not in recorded]
-        headers: dict[str, tuple[Mapping[str, TensorEntry], int]] = {
-            f: (h.by_name, h.data_start) for f, h in recorded.items()
-        }
-        headers.update(
-            zip(
-                unrecorded,
-                parallel_map(self._read_header, unrecorded, self.thread_count),
-                strict=True,
-            )
+        read = parallel_map(
+            lambda f: self._read_header(f, keep=True), unrecorded, self.thread_count
         )
+        found = {**recorded, **dict(zip(unrecorded, read, strict=True))}
+        headers = {f: (h.by_name, h.data_start) for f, h in found.items()}
+        # The bytes past the headers just read (``io/files.read_head``), for read_data to use.
+        self._heads = {
+            fsio.join(self.root, f): (h.data_start, h.kept)
+            for f, h in found.items()
+            if isinstance(h, Head)
+        }
         state: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, _Stored] = {}
         for key, file in weight_map.items():
@@ -268,7 +269,8 @@ class HFStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """(all ranks) Read every item of ``plan`` into ``planner``'s tensors, slab by slab."""
         items = self._kept if plan.storage_data == _KEPT_HERE and not plan.items else plan.items
-        reads = self._ranges.open_reads(self.direct_io)  # type: ignore[union-attr]
+        assert self._ranges is not None
+        reads = KeptReads(self._ranges.open_reads(self.direct_io), self._heads)
 
         def fill(stored: _Stored, runs: Iterable[tuple[int, int, int]], view: memoryview) -> None:
             reads.read_runs(fsio.join(self.root, stored.file), stored.start, list(runs), view)
@@ -297,7 +299,9 @@ class HFStorageReader(StorageReader):
                     buffer_size=self.buffer_size,
                     stats=self.load_stats,
                 )
+                self.load_stats.bytes_kept = reads.served
         finally:
+            self._heads = {}  # at most HEADER_PREFIX bytes a file, held until the load's end
             reads.close()  # every read done: descriptors closed, buffers the next load's or save's
             if self._host.pool is not None:
                 self._host.pool.drain()  # the destinations hold every byte before DCP returns them
@@ -371,16 +375,17 @@ class HFStorageReader(StorageReader):
 
     def _weight_map(
         self,
-    ) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
+    ) -> tuple[dict[str, str], dict[str, int] | None, Mapping[str, FileHeader | Head] | None]:
         """``key -> file``, the recorded checksums and headers (``io/files.py``:
-        ``load_weight_map``).
+        ``load_weight_map``; a single file's header read as ``_read_header`` reads with ``keep``).
 
         Retried as a whole: the index (and a folder's listing) is read through fsspec, and s3fs
         retries neither a 500 nor a connection reset. A permanent failure keeps its own error.
         """
         assert self._ranges is not None
+        keep = self._ranges.coalesces
         return self._ranges.retried(
-            lambda: load_weight_map(self.fs, self.root, self._read_range),
+            lambda: load_weight_map(self.fs, self.root, self._read_range, keep=keep),
             operation="read the index of",
             url=fsio.url_of(self.fs, self.root),
         )
@@ -389,25 +394,28 @@ class HFStorageReader(StorageReader):
         assert self._ranges is not None
         return self._ranges.get_range(path, start, end)
 
-    def _read_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int]:
+    def _read_header(self, file: str, keep: bool = False) -> Head | FileHeader:
         # Retried as a whole, as the index is: the file's size comes through fsspec (a HEAD that
         # s3fs does not retry on a 500); a permanent failure (a corrupt header) keeps its error.
+        # ``keep`` (a load's headers, where requests cost round trips): one request, which also
+        # brings the first tensors (a ``Head``: io/files.read_head), and no size asked.
         assert self._ranges is not None
-        header = self._ranges.retried(
-            lambda: read_header(self.fs, self.root, file, self._read_range),
+        read = read_head if keep and self._ranges.coalesces else read_header
+        return self._ranges.retried(
+            lambda: read(self.fs, self.root, file, self._read_range),
             operation="read the header of",
             url=self._url(file),
         )
-        return header.by_name, header.data_start
 
     def _file_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int] | None:
         """``_read_header``, or ``None`` where the file's header does not decode."""
         try:
-            return self._read_header(file)
+            header = self._read_header(file)
         except HeaderError:
             return None
+        return header.by_name, header.data_start
 
-    def _check_recorded(self, recorded: Mapping[str, FileHeader]) -> None:
+    def _check_recorded(self, recorded: Mapping[str, FileHeader | Head]) -> None:
         """(verify=True) Each file's own header, where it decodes, must equal the index's copy of
         it, which the load trusts: a dtype changed there (``F32`` to ``I32``) reinterprets bytes
         whose CRC32 still matches. Two headers that disagree mean one is corrupt, and nothing

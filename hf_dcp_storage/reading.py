@@ -55,13 +55,16 @@ S = TypeVar("S", bound=StoredTensor)
 class LoadStats:
     """What one rank's load read (``HFStorageReader.load_stats``; each load starts it anew):
     ``requests`` sent and the bytes they read (``bytes_read``, gaps included) for the
-    ``bytes_wanted``, in ``batches``; ``host_bytes_peak``: the most host memory a batch's slabs
-    took; ``in_flight_bytes``: the bound on the bytes of requests in flight."""
+    ``bytes_wanted``, in ``batches``; ``bytes_kept``: bytes of those wanted served from what the
+    header reads brought (``io/files.read_head``), with no request; ``host_bytes_peak``: the most
+    host memory a batch's slabs took; ``in_flight_bytes``: the bound on the bytes of requests in
+    flight."""
 
     requests: int = 0
     bytes_read: int = 0
     bytes_wanted: int = 0
     batches: int = 0
+    bytes_kept: int = 0
     host_bytes_peak: int = 0
     in_flight_bytes: int = 0
 

@@ -98,6 +98,11 @@ class HFStorageWriter(StorageWriter):
         direct_io: local disk: the whole pages of each rank's runs written with ``O_DIRECT``
             (``None``: where the filesystem takes it; ``True``: or an error; ``False``: never),
             the same bytes either way; ``merge_stats.direct_io_bytes`` says how much went direct.
+        gather_memory: S3, GCS, Azure: the most host memory a rank may hold for its runs too
+            small to be parts (``"2GB"``, an int; 0: none). Within it they go to the ranks
+            gathering their parts over a gloo group of the save's own (``stores/exchange.py``),
+            every byte uploaded once; beyond it they are staged in the store and uploaded twice
+            (``merge_stats.network_bytes``, ``client_bytes``, ``held_bytes`` say which).
 
     The coordinator's ``merge_stats`` (also in the returned ``Metadata``'s
     ``storage_data[MERGE_STATS_KEY]`` and an INFO log line) tells who moved the files' bytes.
@@ -122,6 +127,7 @@ class HFStorageWriter(StorageWriter):
         retry: RetryPolicy | None = None,
         rank_timeout: float = meeting.DEFAULT_RANK_TIMEOUT,
         direct_io: bool | None = None,
+        gather_memory: int | str = "2GB",
     ) -> None:
         super().__init__()
         if fqn_to_index_mapping is not None and not isinstance(fqn_to_index_mapping, Mapping):
@@ -140,6 +146,9 @@ class HFStorageWriter(StorageWriter):
         self.retry = policy_or_default(retry)
         self.rank_timeout = meeting.check_rank_timeout(rank_timeout)
         self.direct_io = check_direct_io(direct_io)
+        self.gather_memory = (
+            0 if gather_memory in (0, "0") else parse_size(gather_memory, "gather_memory")
+        )
         self.store: Store | None = None
         self._host = KeptHostBuffers(thread_count)
         self.claim = Claim("HFStorageWriter", "save", "saving", "a dcp.async_save in flight")
@@ -159,6 +168,7 @@ class HFStorageWriter(StorageWriter):
         "retry",
         "rank_timeout",
         "direct_io",
+        "gather_memory",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -208,6 +218,7 @@ class HFStorageWriter(StorageWriter):
                 where=str(self.checkpoint_id),
                 direct_io=self.direct_io,
             )
+            self.store.gather_memory = self.gather_memory
         self._layout: Layout | None = None
         # Compact plans: this rank's write items, kept here while DCP gathers only their
         # ``LocalChunks``; on the coordinator, each key-table's keys and every rank's table.
@@ -341,8 +352,9 @@ class HFStorageWriter(StorageWriter):
             where=str(self.checkpoint_id),
         )
         results = [pack_results(*self._local, own)]
-        if rank_plan.tasks:
-            results.append(ranks.finish_tasks(store, rank_plan, self.thread_count))
+        if store.finishes(rank_plan):
+            args = (self.thread_count, self.rank_timeout, (items, own))
+            results.append(ranks.finish_tasks(store, rank_plan, *args))
         if not self.is_coordinator:
             self.claim.release()  # this rank's part of the save is done
         fut: Future[list[WriteResult]] = Future()

@@ -217,7 +217,9 @@ def _part_kinds(kind: str) -> dict[str, dict]:
 BIG_ROWS = 6144
 
 
-def _save_load_on_ranks(rank: int, world: int, url: str, options: dict, local: str) -> None:
+def _save_load_on_ranks(
+    rank: int, world: int, url: str, options: dict, local: str, gather: str
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -227,20 +229,31 @@ def _save_load_on_ranks(rank: int, world: int, url: str, options: dict, local: s
         k: distribute_tensor(v, mesh, [Shard(1 if k == "cols" else 0)], src_data_rank=None)
         for k, v in full.items()
     }
-    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2)
+    writer = HFStorageWriter(
+        url,
+        storage_options=options,
+        retry=FAST_RETRY,
+        thread_count=2,
+        gather_memory="1GB" if gather == "network" else 0,
+    )
     meta = dcp.save(sd, storage_writer=writer)
     if rank == 0:
         stats = writer.merge_stats
         total = sum(v.numel() * v.element_size() for v in full.values())
-        assert stats.rank_part_bytes + stats.client_bytes == stats.total_bytes > total, stats
-        assert 0 < stats.client_bytes < 0.1 * total and stats.rank_part_bytes > 0.9 * total, (
-            stats
-        )  # cols, norm, head gathered
+        # cols, norm, head gathered: over the ranks' network (uploaded once), or staged in
+        # the store (read back and uploaded again)
+        gathered = stats.network_bytes if gather == "network" else stats.client_bytes
+        assert (stats.network_bytes if gather == "store" else stats.client_bytes) == 0, stats
+        assert stats.rank_part_bytes + gathered == stats.total_bytes > total, stats
+        assert 0 < gathered < 0.1 * total and stats.rank_part_bytes > 0.9 * total, stats
         assert (
             sum(stats.by_rank.values())
-            == stats.client_bytes
-            == meta.storage_data["hf_dcp_storage.merge_stats"]["client_bytes"]
+            == gathered
+            == meta.storage_data["hf_dcp_storage.merge_stats"][
+                "network_bytes" if gather == "network" else "client_bytes"
+            ]
         )
+        assert (stats.held_bytes > 0) == (gather == "network"), stats
     dcp.save(sd, storage_writer=HFStorageWriter(local))
     # Resharded: rows saved by rank become columns loaded, and the other way round.
     dest = {
@@ -261,12 +274,14 @@ def _save_load_on_ranks(rank: int, world: int, url: str, options: dict, local: s
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("gather", ["network", "store"])
 def test_two_ranks_consolidate_server_side_through_transient_faults_then_load_resharded(
-    proxied, tmp_path
+    proxied, tmp_path, gather
 ) -> None:
     """Two ranks save through faults on each kind of request (their parts, the gathering reads
-    of staged runs, the assembly, the commit), load resharded; then one process loads through
-    faults on its reads. The files are byte-identical to a save on local disk."""
+    of staged runs where the small runs are staged in the store, the assembly, the commit), load
+    resharded; then one process loads through faults on its reads. The files are byte-identical
+    to a save on local disk."""
     kind, proxy, bucket, options, direct = proxied
     url = f"{bucket}/run/step_1"
     m = _part_kinds(kind)
@@ -277,8 +292,10 @@ def test_two_ranks_consolidate_server_side_through_transient_faults_then_load_re
         proxy.add_fault(Fault("500", **m["assemble"], times=1)),
         proxy.add_fault(Fault("503", **m["index"], times=1)),
     ]
-    run_ranks(_save_load_on_ranks, 2, url, options, str(tmp_path / "local"))
-    assert [f.fired for f in faults] == [2, 1, 1, 1, 1]
+    run_ranks(_save_load_on_ranks, 2, url, options, str(tmp_path / "local"), gather)
+    # Over the ranks' network nothing is staged, so nothing is read back.
+    staged_reads = 1 if gather == "store" else 0
+    assert [f.fired for f in faults] == [2, staged_reads, staged_reads, 1, 1]
     objects = _objects(kind, url, direct)
     assert objects == folder_bytes(
         tmp_path / "local"
@@ -366,7 +383,7 @@ def test_the_store_kind_follows_the_filesystem(gcs, azure) -> None:
     from hf_dcp_storage.stores.azure_requests import Azure
     from hf_dcp_storage.stores.gcs import GcsStore
     from hf_dcp_storage.stores.gcs_requests import GCS
-    from hf_dcp_storage.stores.parts import ClientRanges
+    from hf_dcp_storage.stores.partsclient import ClientRanges
 
     for (url, options), store_kind, client_kind in (
         (gcs, GcsStore, GCS),

@@ -86,7 +86,9 @@ def _unfinished_uploads(direct: s3fs.S3FileSystem, bucket_url: str) -> list:
     return direct.list_multipart_uploads(bucket_url.removeprefix("s3://"))
 
 
-def _save_to_s3_and_disk(rank: int, world: int, url: str, options: dict, local: str) -> None:
+def _save_to_s3_and_disk(
+    rank: int, world: int, url: str, options: dict, local: str, gather: str
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -95,20 +97,29 @@ def _save_to_s3_and_disk(rank: int, world: int, url: str, options: dict, local: 
         k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None)
         for k, v in _state_dict().items()
     }
-    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2)
+    writer = HFStorageWriter(
+        url,
+        storage_options=options,
+        retry=FAST_RETRY,
+        thread_count=2,
+        gather_memory="1GB" if gather == "network" else 0,
+    )
     dcp.save(sd, storage_writer=writer)
-    if rank == 0:  # the coordinator gathered the two ranks' small runs into one part
-        assert writer.merge_stats.client_bytes > 0 and writer.merge_stats.rank_part_bytes > 0, (
-            writer.merge_stats
-        )
+    if rank == 0:  # a rank gathered the two ranks' small runs into one part
+        stats = writer.merge_stats
+        network, store = stats.network_bytes, stats.client_bytes
+        assert stats.rank_part_bytes > 0 and (network, store).count(0) == 1, stats
+        assert (network > 0) == (gather == "network"), stats
     dcp.save(sd, storage_writer=HFStorageWriter(local))
 
 
 @pytest.mark.distributed
-def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path) -> None:
-    """Two ranks save through faults on each kind of request (their parts, their staged objects,
-    the coordinator's gathering reads, creating/completing uploads, the commit), then one
-    process loads through faults on its reads: identical bytes, every fault fired."""
+@pytest.mark.parametrize("gather", ["network", "store"])
+def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path, gather) -> None:
+    """Two ranks save through faults on each kind of request (their parts, their staged objects
+    and the gathering reads of them where small runs are staged in the store, creating and
+    completing uploads, the commit), then one process loads through faults on its reads:
+    identical bytes, every fault fired."""
     proxy, bucket, options, direct = proxied
     url = f"{bucket}/run/step_1"
     sd = _state_dict()
@@ -131,8 +142,9 @@ def test_transient_faults_on_every_request_kind_are_retried(proxied, tmp_path) -
         proxy.add_fault(Fault("503", method="PUT", path=INDEX, times=1)),  # the commit
     ]
     local = tmp_path / "local"
-    run_ranks(_save_to_s3_and_disk, 2, url, options, str(local))
-    assert [f.fired for f in faults] == [1, 1, 2, 1, 2, 1, 2, 1]
+    run_ranks(_save_to_s3_and_disk, 2, url, options, str(local), gather)
+    staged = 1 if gather == "store" else 0  # over the ranks' network nothing is staged
+    assert [f.fired for f in faults] == [1, 1, 2, staged, 2 * staged, staged, 2, 1]
     # Identical to the same save on local disk (positioned writes, no faults).
     assert _objects(direct, url) == folder_bytes(local)
     assert _unfinished_uploads(direct, bucket) == []
@@ -196,6 +208,7 @@ def test_access_denied_fails_at_once_naming_operation_and_url(proxied) -> None:
 
 
 def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failure: bool) -> None:
+    """Every rank saves; its small runs staged in the store (what the denial hits)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -204,7 +217,7 @@ def _save_on_ranks(rank: int, world: int, url: str, options: dict, expect_failur
         k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None)
         for k, v in _state_dict().items()
     }
-    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY)
+    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, gather_memory=0)
     if not expect_failure:
         dcp.save(sd, storage_writer=writer)
         return
@@ -430,14 +443,15 @@ def _save_column_shards(rank: int, world: int, url: str, options: dict) -> None:
     full = random_tensor((4096, 512), torch.float32, 7)
     dcp.save(
         {"cols": distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None)},
-        storage_writer=HFStorageWriter(url, storage_options=options),
+        storage_writer=HFStorageWriter(url, storage_options=options, gather_memory=0),
     )
 
 
 @pytest.mark.distributed
 def test_a_gathered_part_reads_each_ranks_runs_with_one_request(proxied) -> None:
-    """A column shard stages one run per row; the rank that gathers a part fetches each rank's
-    runs in it (back to back in that rank's staged object) with one ranged GET, not one per row."""
+    """A column shard stages one run per row (small runs staged in the store); the rank that
+    gathers a part fetches each rank's runs in it (back to back in that rank's staged object)
+    with one ranged GET, not one per row."""
     proxy, bucket, options, direct = proxied
     url = f"{bucket}/run/step_1"
     run_ranks(_save_column_shards, 2, url, options)

@@ -1,25 +1,30 @@
-"""Reading an HF checkpoint from a store: its listing, its index json and its files' headers.
+"""Reading an HF checkpoint from a store: its listing, its index json and its files' headers
+(``read_header``; ``read_head`` for a load, which keeps the bytes after the header).
 
 What is read is decoded and checked by ``format/`` (``format/index.py``, ``format/header.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ..format.header import decode_header, header_length
+from ..format.header import TensorEntry, decode_header, header_length
 from ..format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index, recorded_headers
 from . import fsio
 
 __all__ = [
+    "HEADER_PREFIX",
     "HEADER_PROBE",
     "Folder",
+    "Head",
     "ReadRange",
     "load_weight_map",
+    "read_head",
     "read_header",
     "read_index",
     "scan_folder",
@@ -27,6 +32,13 @@ __all__ = [
 
 # First ranged read of every file: most headers fit, so one request usually gets the whole header.
 HEADER_PROBE = 64 << 10
+
+# What a load's one request per file reads (``read_head``): the header and the first tensors. A
+# megabyte: by the rule that joins a load's runs across gaps (``plan/reads.READ_GAP_BYTES``), a
+# megabyte more on a request already sent costs less than one more request; and it holds the
+# header of a file of ~9,000 tensors (~105 bytes of JSON each, measured on transformers-style
+# names; a Qwen3-MoE shard of 1,152 tensors has a 119 KB header, two requests at HEADER_PROBE).
+HEADER_PREFIX = 1 << 20
 
 # ``read_range(path, start, end) -> bytes [start, end)`` (fewer only if the file is shorter).
 ReadRange = Callable[[str, int, int], bytes]
@@ -106,12 +118,70 @@ def read_header(
     return FileHeader(entries, metadata, data_start, size)
 
 
+@dataclass(frozen=True)
+class Head:
+    """A file's header read with the bytes after it (``read_head``).
+
+    Attributes:
+        entries: the tensors, sorted by data offset. data_start: byte where the data starts.
+        size: the file's size where the read reached its end, else ``None`` (the header's
+            tensors are then checked against the file when their bytes are read).
+        kept: the file's bytes from ``data_start`` that the read brought: the first tensors'
+            (at most ``HEADER_PREFIX - data_start`` bytes; none where the header alone took a
+            second request).
+    """
+
+    entries: list[TensorEntry]
+    data_start: int
+    size: int | None
+    kept: bytes
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, TensorEntry]:
+        """The entries by tensor name."""
+        return {e.name: e for e in self.entries}
+
+
+def read_head(
+    fs: AbstractFileSystem,
+    root: str,
+    file: str,
+    read_range: ReadRange,
+    *,
+    prefix: int = HEADER_PREFIX,
+) -> Head:
+    """Read and validate the header of ``root/file`` for a load: one ranged read of its first
+    ``prefix`` bytes (no request for its size), and exactly one more only for a header longer
+    than that. The bytes past the header are kept (``Head.kept``), so that a load is served its
+    first tensors from them.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        HeaderError: a malformed header, or one that does not fit the file (where its end was
+            read: a longer file truncated fails when the missing bytes are read).
+    """
+    path = fsio.join(root, file)
+    where = fsio.url_of(fs, path)
+    try:
+        raw = read_range(path, 0, prefix)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{where}: file named by the checkpoint index does not exist"
+        ) from None
+    size = len(raw) if len(raw) < prefix else None  # a short answer is the whole file
+    n = header_length(raw, file_size=size, where=where)
+    if len(raw) < 8 + n:
+        raw += read_range(path, len(raw), 8 + n)
+    entries, _, data_start = decode_header(raw, file_size=size, where=where)
+    return Head(entries, data_start, size, raw[data_start:])
+
+
 def load_weight_map(
-    fs: AbstractFileSystem, root: str, read_range: ReadRange
-) -> tuple[dict[str, str], dict[str, int] | None, dict[str, FileHeader] | None]:
+    fs: AbstractFileSystem, root: str, read_range: ReadRange, *, keep: bool = False
+) -> tuple[dict[str, str], dict[str, int] | None, Mapping[str, FileHeader | Head] | None]:
     """``key -> file``, the recorded checksums and the recorded headers (``recorded_headers``)
-    from the index json, or from the single ``model.safetensors`` (no checksums; its header), for
-    a loader.
+    from the index json, or from the single ``model.safetensors`` (no checksums; its header, a
+    ``Head`` with the bytes after it where ``keep``: ``read_head``), for a loader.
 
     Raises:
         FileNotFoundError: neither an index nor ``model.safetensors``.
@@ -125,7 +195,8 @@ def load_weight_map(
                 f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder "
                 "that holds them"
             )
-        header = read_header(fs, root, SINGLE_FILE_NAME, read_range)
+        read = read_head if keep else read_header
+        header = read(fs, root, SINGLE_FILE_NAME, read_range)
         return {e.name: SINGLE_FILE_NAME for e in header.entries}, None, {SINGLE_FILE_NAME: header}
     where = fsio.url_of(fs, fsio.join(root, INDEX_NAME))
     index = parse_index(raw, where)

@@ -16,6 +16,7 @@ library asks only through these functions (``tests/test_fresh_views.py`` checks 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import posixpath
 from collections.abc import Iterator
@@ -178,7 +179,19 @@ def find_entries(
         FileNotFoundError: where the store says so (s3fs: a missing bucket).
     """
     forget(fs, directory)
+    parent, _, name = directory.rstrip("/").rpartition("/")
+    if parent and _finds_by_prefix(fs):
+        # The keys under ``name/`` in one listing: ``find(directory)`` of a folder with nothing
+        # under it (every new checkpoint) asks twice more (s3fs: a HEAD and another listing),
+        # in case ``directory`` is a file.
+        return dict(fs.find(parent, withdirs=withdirs, detail=True, prefix=name + "/"))
     return dict(fs.find(directory, withdirs=withdirs, detail=True))
+
+
+def _finds_by_prefix(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs.find`` takes ``prefix=`` (s3fs, gcsfs, adlfs: a listing of keys by prefix)."""
+    find = getattr(type(fs), "_find", None)
+    return find is not None and "prefix" in inspect.signature(find).parameters
 
 
 def list_tree(fs: AbstractFileSystem, directory: str) -> set[str]:

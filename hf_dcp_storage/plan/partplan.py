@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .exchange import Sends
 from .gather import Runs, file_order, gather_tasks
 from .layout import Layout
 from .parts import S3_RULES, GatherPart, PartRules, RankPart, gather_part_bytes, plan_file_parts
@@ -45,14 +46,17 @@ class PartPlan:
 @dataclass(frozen=True)
 class PartsRankPlan:
     """What a rank of a part store's save is told besides its place in the layout: the parts it
-    uploads of its own, and (S3) the multipart uploads it sends parts to (of its own or
-    gathered)."""
+    uploads of its own, (S3) the multipart uploads it sends parts to (of its own or gathered),
+    and where the save's gathered parts travel over the ranks' network (``exchange``), what it
+    sends the gathering ranks (``plan/exchange.py``)."""
 
     # file index -> upload id, of the files this rank sends parts to (a failing rank aborts the
     # rest from the save record)
     uploads: Mapping[int, str]
     parts: Mapping[int, tuple[RankPart, ...]]  # file index -> this rank's parts, by start
     headers: Mapping[int, bytes]  # file index -> header, where this rank's part carries it
+    exchange: bool = False
+    sends: Sends | None = None
 
 
 def parts_rank_plans(
@@ -60,10 +64,12 @@ def parts_rank_plans(
     parts: Sequence[Sequence[RankPart | GatherPart]],
     uploads: Mapping[int, str],
     tasks: Sequence[GatherTasks],
+    sends: Sequence[Sends] | None = None,
 ) -> list[PartsRankPlan]:
     """(coordinator) Each rank's ``PartsRankPlan``: its own parts by file (one pass over all parts,
-    not one per rank), the headers its parts carry, and only the uploads it sends parts to (all
-    of them in every plan were a quarter of what the coordinator sent at 8,192 ranks). Pure."""
+    not one per rank), the headers its parts carry, only the uploads it sends parts to (all
+    of them in every plan were a quarter of what the coordinator sent at 8,192 ranks), and
+    where the save exchanges (``sends`` given), what it sends. Pure."""
     own: dict[int, dict[int, list[RankPart]]] = {}
     for f, file_parts in enumerate(parts):
         for p in file_parts:
@@ -75,9 +81,15 @@ def parts_rank_plans(
         headers = {
             f: layout.files[f].header for f, ps in by_file.items() if any(p.header for p in ps)
         }
-        sends = set(by_file) | set(mine.parts[:, 0].tolist())
+        files = set(by_file) | set(mine.parts[:, 0].tolist())
         out.append(
-            PartsRankPlan({f: uploads[f] for f in sorted(sends) if f in uploads}, by_file, headers)
+            PartsRankPlan(
+                {f: uploads[f] for f in sorted(files) if f in uploads},
+                by_file,
+                headers,
+                sends is not None,
+                sends[rank] if sends is not None else None,
+            )
         )
     return out
 

@@ -93,11 +93,14 @@ class WrittenRows:
 class Finished:
     """``WriteResult.storage_data`` of a rank's finishing tasks: per file, the parts it gathered
     and uploaded (``{"PartNumber", "ETag"}``; no ETag for a one-part file's PUT), the files it
-    merged, and the bytes it assembled."""
+    merged, the bytes it assembled, and where the save's ranks exchanged bytes, what it received
+    and held."""
 
     parts: Mapping[int, tuple[dict[str, Any], ...]]
     merged: tuple[int, ...]
     nbytes: int
+    received: int = 0  # of those, bytes other ranks sent it over the save's group
+    held: int = 0  # bytes it held in memory for the other ranks' gathered parts
 
 
 # The ``WriteResult.index`` of a rank's packed results (compact plans), and of its finishing tasks.

@@ -1,7 +1,8 @@
 """Pure planning of a load's reads on a store that answers ranged requests: which byte spans of a
 file one request fetches (``coalesce`` within one slab; ``plan_requests`` across every tensor a
-rank reads of a file, cut to a request size). Local files are read run by run instead
-(``stores/local.py``)."""
+rank reads of a file, cut to a request size), and which of a slab's runs the bytes a load holds
+already serve (``split_kept``: a file's first bytes, read with its header). Local files are read
+run by run instead (``stores/local.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["READ_GAP_BYTES", "REQUEST_BYTES", "Request", "coalesce", "plan_requests"]
+__all__ = ["READ_GAP_BYTES", "REQUEST_BYTES", "Request", "coalesce", "plan_requests", "split_kept"]
 
 # A gap between needed byte runs up to this size is read rather than skipped, since one more
 # request costs more than that much transfer.
@@ -107,3 +108,28 @@ def plan_requests(
             start = stop
             j += 1
     return [Request(s, e, tuple(p)) for (s, e), p in zip(bounds, pieces, strict=True) if p]
+
+
+def split_kept(
+    start: int, runs: Sequence[tuple[int, int, int]], kept_start: int, kept_end: int
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Split one slab's ``runs`` (``(offset from start, offset in the slab, bytes)``, the file's
+    bytes ``[start + offset, start + offset + bytes)``) at the bytes ``[kept_start, kept_end)`` of
+    the file a load holds already. Returns ``(served, rest)``: ``served`` as ``(offset in the
+    kept bytes, offset in the slab, bytes)``, to be copied from them; ``rest``, the runs' parts
+    outside, in the runs' own form, to be requested. Pure.
+    """
+    served: list[tuple[int, int, int]] = []
+    rest: list[tuple[int, int, int]] = []
+    for t, c, n in runs:
+        a, b = start + t, start + t + n
+        lo, hi = max(a, kept_start), min(b, kept_end)
+        if lo >= hi:
+            rest.append((t, c, n))
+            continue
+        if a < lo:
+            rest.append((t, c, lo - a))
+        served.append((lo - kept_start, c + lo - a, hi - lo))
+        if hi < b:
+            rest.append((t + hi - a, c + hi - a, b - hi))
+    return served, rest

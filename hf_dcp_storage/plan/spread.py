@@ -82,6 +82,33 @@ class GatherTask:
         Raises:
             RuntimeError: the staged ranges do not tile the part (an inconsistent plan).
         """
+        out: list[Source] = [self.head] if self.head else []
+        out.extend((r, s, n) for _, r, s, n in self.checked_ranges().tolist())
+        return out
+
+    def checked_ranges(self) -> np.ndarray:
+        """``ranges()`` of a gathering rank's task, checked to tile the part after its header.
+
+        Raises:
+            RuntimeError: the staged ranges do not tile the part (an inconsistent plan).
+        """
+        lo, hi = self.start + len(self.head), self.end
+        ranges = self.ranges()
+        ends = ranges[:, 0] + ranges[:, 3]
+        if (len(ranges) == 0 and lo != hi) or (
+            len(ranges)
+            and (ranges[0, 0] != lo or ends[-1] != hi or (ranges[1:, 0] != ends[:-1]).any())
+        ):
+            raise RuntimeError(
+                f"part {self.number} of file {self.file}: the staged ranges do not cover bytes "
+                f"{lo}..{hi} exactly; the plan is inconsistent"
+            )
+        return ranges
+
+    def ranges(self) -> np.ndarray:
+        """The staged ranges of the part's bytes after the header, int64 rows ``(file_offset,
+        rank, staged_offset, nbytes)`` in file order; of the ranks whose rows the task holds
+        (all of them in a gathering rank's task; one in a sender's, ``plan/exchange.py``)."""
         lo, hi = self.start + len(self.head), self.end
         cols: list[np.ndarray] = []  # (file_offset, rank, staged_offset, nbytes) blocks
         if self.pieces:
@@ -104,19 +131,8 @@ class GatherTask:
                     np.stack((at + cut, np.full(len(at), rank), staged + c_off + cut, n), axis=1)
                 )
         ranges = np.concatenate(cols) if cols else np.empty((0, 4), dtype=np.int64)
-        ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
-        ends = ranges[:, 0] + ranges[:, 3]
-        if (len(ranges) == 0 and lo != hi) or (
-            len(ranges)
-            and (ranges[0, 0] != lo or ends[-1] != hi or (ranges[1:, 0] != ends[:-1]).any())
-        ):
-            raise RuntimeError(
-                f"part {self.number} of file {self.file}: the staged ranges do not cover bytes "
-                f"{lo}..{hi} exactly; the plan is inconsistent"
-            )
-        out: list[Source] = [self.head] if self.head else []
-        out.extend((r, s, n) for _, r, s, n in ranges.tolist())
-        return out
+        ranges = ranges[ranges[:, 3] > 0]
+        return ranges[np.argsort(ranges[:, 0], kind="stable")]
 
 
 @dataclass(frozen=True)

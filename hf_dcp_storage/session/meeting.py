@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_RANK_TIMEOUT", "Meeting", "check_rank_timeout", "forget"]
+__all__ = ["DEFAULT_RANK_TIMEOUT", "Meeting", "check_rank_timeout", "forget", "job_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,12 @@ def check_rank_timeout(value: object) -> float:
     return float(value)
 
 
-def _store() -> Any:
+def job_store() -> Any:
+    """The job's key-value store (the default group's, which every rank of any group reaches).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "HFStorageWriter: a save on several ranks needs torch.distributed initialised (its "
@@ -77,7 +82,7 @@ class Meeting:
     """
 
     def __init__(self, save_id: str, rank: int, world: int, rank_timeout: float) -> None:
-        self.store = _store()
+        self.store = job_store()
         self.key = f"{_PREFIX}/{save_id}"
         self.rank, self.world, self.rank_timeout = rank, world, rank_timeout
         self.every = min(5.0, max(0.05, rank_timeout / 10))
@@ -203,7 +208,7 @@ def _parse_pairs(text: str) -> dict[int, int]:
 
 def forget(save_id: str) -> None:
     """(coordinator, after every rank has passed the meeting) Drop the save's keys."""
-    store = _store()
+    store = job_store()
     for name in _PER_SAVE_KEYS:
         # Any error: a store without deletes keeps a few bytes; nothing to fail for.
         with contextlib.suppress(Exception):

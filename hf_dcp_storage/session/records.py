@@ -25,7 +25,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
@@ -126,11 +126,13 @@ class ItemRecord:
 
 @dataclass(frozen=True)
 class RankRecord:
-    """What one rank wrote (``rank{r:05d}.json``)."""
+    """What one rank wrote (``rank{r:05d}.json``): its items, and where it gathered parts over
+    the ranks' network (written after that), the parts it uploaded, by file."""
 
     save_id: str
     rank: int
     items: tuple[ItemRecord, ...]
+    gathered: Mapping[int, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         items = [
@@ -146,7 +148,15 @@ class RankRecord:
             ]
             for i in self.items
         ]
-        return _json({"format": FORMAT, "save_id": self.save_id, "rank": self.rank, "items": items})
+        obj: dict[str, Any] = {
+            "format": FORMAT,
+            "save_id": self.save_id,
+            "rank": self.rank,
+            "items": items,
+        }
+        if self.gathered:
+            obj["gathered"] = {str(f): list(ps) for f, ps in sorted(self.gathered.items())}
+        return _json(obj)
 
     @classmethod
     def decode(cls, raw: bytes, where: str) -> RankRecord:
@@ -165,7 +175,8 @@ class RankRecord:
                 )
                 for k, o, s, n, f, so, c, p in obj["items"]
             )
-            return cls(str(obj["save_id"]), int(obj["rank"]), items)
+            gathered = {int(f): tuple(ps) for f, ps in obj.get("gathered", {}).items()}
+            return cls(str(obj["save_id"]), int(obj["rank"]), items, gathered)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(
                 f"{where}: not a valid rank record ({type(exc).__name__}: {exc})"
@@ -211,10 +222,15 @@ def _part_entry(e: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def rank_record(
-    save_id: str, rank: int, items: list[WriteItem], results: list[WriteResult]
+    save_id: str,
+    rank: int,
+    items: list[WriteItem],
+    results: list[WriteResult],
+    gathered: Mapping[int, tuple[dict[str, Any], ...]] | None = None,
 ) -> RankRecord:
     """What a rank wrote, for ``rank{r}.json``: each item's result (``storage_data`` a
-    ``plan/rankplan.Written``) and its chunk's sizes."""
+    ``plan/rankplan.Written``) and its chunk's sizes; ``gathered``: the parts it gathered and
+    uploaded, by file, where it records after gathering."""
     sizes = {
         item.index: tuple(item.tensor_data.chunk.sizes)
         for item in items
@@ -235,7 +251,7 @@ def rank_record(
                 w.parts,
             )
         )
-    return RankRecord(save_id, rank, tuple(records))
+    return RankRecord(save_id, rank, tuple(records), dict(gathered or {}))
 
 
 def _json(obj: object) -> bytes:

@@ -28,7 +28,8 @@ from ..plan.layout import Layout
 from ..session.records import SAVE_RECORD, SaveRecord
 from .azure_requests import AZURE_ERRORS, Azure
 from .base import STAGING_DIR
-from .parts import PartsStore, quietly
+from .parts import PartsStore
+from .partsclient import quietly
 from .retry import RetryPolicy
 
 __all__ = ["AzureStore"]

@@ -19,7 +19,7 @@ from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
 from ..plan.azureplan import block_id
-from .parts import PartRef, PartsClient, quietly
+from .partsclient import PartRef, PartsClient, quietly
 from .retry import ErrorRules, RetryPolicy
 
 __all__ = ["AZURE_ERRORS", "BLOCK_BYTES", "Azure", "BlockWriter"]

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..format.index import INDEX_NAME, SHARD_NAME_RE, SINGLE_FILE_NAME
 from ..io import fsio
 from ..io.items import Place
+from ..io.parallel import parallel_map
 from ..plan.layout import Layout
 from ..plan.placed import PlacedChunks
 from ..plan.rankplan import Finished, RankPlan
@@ -79,7 +80,9 @@ class MergeStats:
     ``client_bytes``: staged by their ranks, then downloaded and uploaded again (gathered S3
     parts, merged files) by the rank the coordinator gave them to (``by_rank``: bytes per rank);
     ``coordinator_bytes``: of those, the ones this process moved itself (all of them when it
-    finishes an interrupted save).
+    finishes an interrupted save). ``network_bytes``: gathered parts' bytes that went to their
+    gathering rank over the ranks' own network instead (uploaded once; ``held_bytes``: the most
+    host memory one rank held for it).
     """
 
     files: int = 0
@@ -87,6 +90,8 @@ class MergeStats:
     rank_part_bytes: int = 0  # uploaded by the ranks straight into the files' parts
     client_bytes: int = 0
     coordinator_bytes: int = 0
+    network_bytes: int = 0
+    held_bytes: int = 0
     by_rank: dict[int, int] = field(default_factory=dict)
     direct_io_bytes: int = (
         0  # local disk: bytes the ranks wrote with O_DIRECT (the rest through the page cache)
@@ -105,12 +110,18 @@ class MergeStats:
             "client_fraction": self.client_fraction
         }
 
-    def add(self, total: int, gathered: int, here: int) -> None:
+    def add(self, total: int, gathered: int, here: int, *, network: bool = False) -> None:
+        """Count one file of ``total`` bytes, ``gathered`` of them gathered (``network``: over
+        the ranks' network, else through the store), ``here`` by this process."""
         with self._lock:
             self.files += 1
             self.total_bytes += total
             self.rank_part_bytes += total - gathered
-            self.client_bytes += gathered
+            if network:
+                self.network_bytes += gathered - here
+                self.client_bytes += here
+            else:
+                self.client_bytes += gathered
             self.coordinator_bytes += here
 
     @property
@@ -155,6 +166,9 @@ class Store(ABC):
         self.source: tuple[AbstractFileSystem, str] | None = None
         # The save's id (set by the writer before ``prepare``), named in the records it writes.
         self.save_id = ""
+        # (part stores) The most host memory a rank may hold for gathered parts sent over the
+        # ranks' network (``HFStorageWriter(gather_memory=...)``); 0: staged in the store.
+        self.gather_memory = 0
 
     @classmethod
     def ranges(cls, fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
@@ -257,6 +271,29 @@ class Store(ABC):
         its uploads, so no rank goes on writing a doomed checkpoint); never raises."""
 
     # -- 4. each rank with tasks ----------------------------------------------------------------
+
+    def finishes(self, rank_plan: RankPlan) -> bool:
+        """(each rank) Whether this rank has a part in the finishing work (``run_tasks``)."""
+        return bool(rank_plan.tasks)
+
+    def records_late(self, rank_plan: RankPlan) -> bool:
+        """(each rank) Whether its record waits for the finishing work: where what it did there
+        cannot be done again from the store (bytes that were never staged), the record names
+        its results too. Else it is written as soon as the rank's own bytes are."""
+        return False
+
+    def run_tasks(
+        self, rank_plan: RankPlan, threads: int, rank_timeout: float
+    ) -> tuple[list[tuple[int, dict[str, Any] | None]], int, int]:
+        """(each rank that ``finishes``, once every rank has written) Its finishing work, up to
+        ``threads`` tasks at a time: each task's ``(file, ETag entry or None)``, the bytes it
+        received from other ranks and the bytes it held for them (0 and 0 here: every task
+        reads what the ranks staged in the store). ``rank_timeout``: how long the other ranks
+        may stay silent where they take part."""
+        done = parallel_map(
+            lambda task: self.run_task(task, rank_plan), list(rank_plan.tasks), threads
+        )
+        return done, 0, 0
 
     def run_task(self, task: Any, rank_plan: RankPlan) -> tuple[int, dict[str, Any] | None]:
         """(each rank with finishing work) Do one task; returns ``(file, ETag entry or None)``."""

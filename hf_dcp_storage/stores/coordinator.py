@@ -51,6 +51,7 @@ def commit(
     results = [[r for r in rs if r.index != FINISHED] for rs in results]
     for rank, f in finished.items():
         store.merge_stats.by_rank[rank] = f.nbytes
+        store.merge_stats.held_bytes = max(store.merge_stats.held_bytes, f.held)
     store.complete(layout, results, finished)
     checksums = combine_checksums(layout, results, tables)
     store.put(fsio.join(store.root, INDEX_NAME), index_bytes(layout, checksums))

@@ -30,7 +30,8 @@ from ..plan.gcsplan import GCS_RULES, compose_tree, part_name
 from ..plan.layout import Layout
 from .base import STAGING_DIR
 from .gcs_requests import GCS, GCS_ERRORS
-from .parts import PartsStore, quietly
+from .parts import PartsStore
+from .partsclient import quietly
 
 __all__ = ["GcsStore"]
 

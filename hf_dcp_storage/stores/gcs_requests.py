@@ -23,7 +23,7 @@ from fsspec.asyn import sync
 from ..io.parallel import parallel_map
 from ..plan.gcsplan import part_name
 from .base import STAGING_DIR
-from .parts import PartRef, PartsClient, quietly
+from .partsclient import PartRef, PartsClient, quietly
 from .retry import ErrorRules, RetryPolicy, StoreError
 
 __all__ = ["CHUNK_BYTES", "GCS", "GCS_ERRORS", "RESUMABLE_ABOVE", "ResumableWriter"]

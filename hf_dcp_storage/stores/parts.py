@@ -27,28 +27,28 @@ A backend gives its requests as a :class:`PartsClient`, its ``rules``, and its a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
-from abc import ABC, abstractmethod
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar, Generic, TypeVar
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
+import numpy as np
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..io import fsio
-from ..io.parallel import fetch_spans, parallel_map
+from ..io.parallel import parallel_map
+from ..plan.exchange import MAX_TAG_FILES, Sends, plan_sends
 from ..plan.layout import Layout
-from ..plan.partplan import PartsRankPlan, parts_rank_plans, plan_parts
+from ..plan.partplan import PartPlan, PartsRankPlan, parts_rank_plans, plan_parts
 from ..plan.parts import GatherPart, PartRules, RankPart
 from ..plan.placed import PlacedChunks, place_items
 from ..plan.rankplan import Finished, RankPlan, WrittenRows
 from ..plan.spread import GatherTask, GatherTasks
+from ..session.group import forget_group, save_group
 from ..session.records import COMPLETION_RECORD, CompletionRecord
 from .base import STAGING_DIR, Slabs, Store
+from .exchange import Held, exchange
 from .filling import (
     FileShare,
     GatheredSources,
@@ -58,81 +58,11 @@ from .filling import (
     with_parts,
     write_by_file,
 )
+from .partsclient import ClientRanges, PartRef, PartsClient, Uploader
 from .reads import Ranges
-from .retry import ErrorRules, RetryPolicy
+from .retry import RetryPolicy
 
-__all__ = ["ClientRanges", "PartRef", "PartsClient", "PartsStore", "Uploader", "quietly"]
-
-logger = logging.getLogger(__name__)
-
-_Part = TypeVar("_Part")
-
-# Parts a rank uploads at a time: enough to keep a connection busy while the next part fills.
-_IN_FLIGHT = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class PartRef:
-    """Which part an upload is: part ``number`` of file ``file`` (``name``), its first byte
-    ``start``; ``upload``: the file's handle where the store made one in ``prepare`` (S3's
-    multipart upload id; ``None`` for a one-part file, which is the whole object)."""
-
-    file: int
-    name: str
-    number: int
-    start: int
-    upload: str | None = None
-
-
-class PartsClient(ABC):
-    """The retried requests of one store (one SDK); paths as fsspec strips them. Thread-safe."""
-
-    # How this SDK's failures read; its calls retry by these rules (the store's ``errors``).
-    errors: ClassVar[ErrorRules]
-
-    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy) -> None:
-        self.fs, self.retry = fs, retry
-
-    @abstractmethod
-    def url(self, path: str) -> str:
-        """``path`` as the user writes it (``gs://b/k``, ``az://c/k``), for messages."""
-
-    @abstractmethod
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
-        """Write a whole object in one request (readers see all of it or nothing); its metadata."""
-
-    @abstractmethod
-    async def read_span(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``path`` in one retried ranged GET, on ``fs``'s event loop
-        (fewer only if the object is shorter)."""
-
-    def get_spans(
-        self,
-        spans: Sequence[tuple[str, int, int]],
-        *,
-        concurrency: int = 16,
-        deliver: Callable[[int, bytes], None] | None = None,
-    ) -> list[bytes]:
-        """Bytes ``[start, end)`` of each ``(path, start, end)``, with up to ``concurrency`` in
-        flight; with ``deliver``, each handed to ``deliver(index, data)`` as it arrives (on the
-        event loop) instead, so that at most ``concurrency`` are held at once."""
-        return fetch_spans(self.fs.loop, self.read_span, spans, concurrency, deliver)
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``path``; fewer only if the object is shorter."""
-        return self.get_spans([(path, start, end)])[0]
-
-    @abstractmethod
-    def upload_part(
-        self, root: str, save_id: str, part: PartRef, data: bytes | bytearray
-    ) -> dict[str, Any]:
-        """Upload one part of a file of the checkpoint at ``root``; its ``{"PartNumber", "ETag"}``
-        entry (``ETag``: what identifies this upload of the part when the file is assembled)."""
-
-    @abstractmethod
-    def staged_writer(self, path: str, size: int) -> Any:
-        """A write stream to one staged object of about ``size`` bytes, with bounded memory: a
-        context manager whose clean exit publishes the object and whose error leaves nothing."""
+__all__ = ["PartsStore"]
 
 
 class PartsStore(Store):
@@ -151,6 +81,11 @@ class PartsStore(Store):
         self.gathers: list[GatherTasks] = []  # every rank's share of the gathered parts
         self.uploads: dict[int, str] = {}  # file -> the handle ``_make_files`` made (S3: upload id)
         self.completed: set[int] = set()  # files an interrupted save had assembled already
+        # Whether this save's gathered parts travel over the ranks' network (``plan``), what each
+        # rank sends there, and (each rank) its held runs by file until they are sent.
+        self.exchanged = False
+        self.sends: list[Sends] = []
+        self.held: dict[int, bytearray] = {}
 
     @classmethod
     def ranges(cls, fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
@@ -172,9 +107,20 @@ class PartsStore(Store):
     # --------------------------------------------------------------------------------
 
     def plan(self, layout: Layout, placed: PlacedChunks | None, world: int) -> list[GatherTasks]:
+        """Every file's parts and each rank's gathering tasks; where every rank's runs too small
+        to be parts fit in ``gather_memory``, they travel to the gathering ranks over the ranks'
+        network (``stores/exchange.py``), else through the store as staged objects."""
         assert placed is not None
         plan = plan_parts(placed, layout, world, self.rules)
         self.layout, self.parts, self.gathers = layout, plan.parts, plan.tasks
+        held = _held_bytes(placed, plan, world)
+        self.exchanged = (
+            world > 1
+            and any(len(t) for t in plan.tasks)
+            and 0 < int(held.max()) <= self.gather_memory
+            and len(layout.files) <= MAX_TAG_FILES
+        )
+        self.sends = plan_sends(plan.tasks, world) if self.exchanged else []
         return plan.tasks
 
     def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str]) -> None:
@@ -185,7 +131,9 @@ class PartsStore(Store):
 
     def rank_data(self, world: int) -> list[PartsRankPlan]:
         assert self.layout is not None, "plan() and prepare() come first"
-        return parts_rank_plans(self.layout, self.parts, self.uploads, self.gathers)
+        return parts_rank_plans(
+            self.layout, self.parts, self.uploads, self.gathers, self.sends or None
+        )
 
     def record_uploads(self) -> Mapping[int, str]:
         return self.uploads
@@ -238,12 +186,21 @@ class PartsStore(Store):
                 )
             # Gathered parts no rank uploaded: an interrupted save being finished.
             for p in (q for q in missing if isinstance(q, GatherPart)):
-                data = gather_bytes(
-                    self.client,
-                    sources.of(f, p),
-                    lambda rank: self.staged_path(plan.name, rank),
-                    url=self.client.url,
-                )
+                try:
+                    data = gather_bytes(
+                        self.client,
+                        sources.of(f, p),
+                        lambda rank: self.staged_path(plan.name, rank),
+                        url=self.client.url,
+                    )
+                except FileNotFoundError:
+                    raise RuntimeError(
+                        f"{self.client.url(fsio.join(self.root, plan.name))}: part {p.number} was "
+                        "never uploaded, and its bytes were never staged in the store: the save "
+                        "sent them over the ranks' network (HFStorageWriter(gather_memory=...)) "
+                        "and a rank stopped before uploading it, so this save cannot be finished; "
+                        "save again"
+                    ) from None
                 got[p.number] = self.client.upload_part(
                     self.root,
                     self.save_id,
@@ -252,7 +209,9 @@ class PartsStore(Store):
                 )
             self._assemble(f, layout, [got[p.number] for p in parts])
             gathered = sum(p.nbytes for p in parts if isinstance(p, GatherPart))
-            self.merge_stats.add(plan.size, gathered, sum(p.nbytes for p in missing))
+            self.merge_stats.add(
+                plan.size, gathered, sum(p.nbytes for p in missing), network=self.exchanged
+            )
 
         try:
             parallel_map(one, [f for f in range(len(layout.files)) if self.parts[f]], self.threads)
@@ -288,11 +247,11 @@ class PartsStore(Store):
             )
         )
         assembler = PartAssembler(plan.headers.get(file, b""), uploader.submit)
-        stream: Any = (
-            self.client.staged_writer(self.staged_path(name, rank_plan.rank), staged_size)
-            if staged_size
-            else contextlib.nullcontext()
-        )
+        stream: Any = contextlib.nullcontext()
+        if staged_size and plan.exchange:
+            stream = Held(staged_size)  # sent to the gathering ranks once every rank has written
+        elif staged_size:
+            stream = self.client.staged_writer(self.staged_path(name, rank_plan.rank), staged_size)
         try:
             with stream as staged:
                 results = fill_file(file, share.items, rank_plan, slabs, parts, staged, assembler)
@@ -300,7 +259,52 @@ class PartsStore(Store):
             entries = tuple(uploader.wait())
         finally:
             uploader.close()
+        if isinstance(stream, Held):
+            if stream.at != staged_size:
+                raise RuntimeError(
+                    f"{name}: rank {rank_plan.rank} held {stream.at} bytes for the gathering "
+                    f"ranks, the plan says {staged_size}; the plan is inconsistent"
+                )
+            self.held[file] = stream.buf
         return with_parts(results, entries)
+
+    def finishes(self, rank_plan: RankPlan) -> bool:
+        plan: PartsRankPlan = rank_plan.store
+        return plan.exchange or bool(rank_plan.tasks)
+
+    def records_late(self, rank_plan: RankPlan) -> bool:
+        # Exchanged bytes were never staged: a save that dies before a gathered part is
+        # uploaded cannot be finished, one that dies after can, from these records.
+        plan: PartsRankPlan = rank_plan.store
+        return plan.exchange
+
+    def run_tasks(
+        self, rank_plan: RankPlan, threads: int, rank_timeout: float
+    ) -> tuple[list[tuple[int, dict[str, Any] | None]], int, int]:
+        """Gathered parts from staged objects (``run_task``), or, where the save exchanges, over
+        a group of the save's ranks: every rank takes part, tasks or not (its held runs go to
+        the gathering ranks)."""
+        plan: PartsRankPlan = rank_plan.store
+        if not plan.exchange:
+            return super().run_tasks(rank_plan, threads, rank_timeout)
+        held = sum(len(b) for b in self.held.values())
+        try:
+            group = save_group(rank_plan.save_id, rank_plan.rank, rank_plan.world, rank_timeout)
+            tasks = rank_plan.tasks
+            assert isinstance(tasks, GatherTasks) and plan.sends is not None
+            done, received = exchange(
+                group,
+                rank_plan.rank,
+                self.held,
+                plan.sends,
+                tasks,
+                lambda task, data: self._upload_gathered(task, rank_plan, data),
+                threads=threads,
+            )
+        finally:
+            self.held.clear()  # sent or failed: the bytes are not needed again
+            forget_group(rank_plan.save_id, rank_plan.rank)
+        return list(done), received, held
 
     def run_task(self, task: GatherTask, rank_plan: RankPlan) -> tuple[int, dict[str, Any] | None]:
         """Gather one part from the ranks' staged runs and upload it."""
@@ -311,75 +315,31 @@ class PartsStore(Store):
             lambda rank: self.staged_path(name, rank),
             url=self.client.url,
         )
+        return task.file, self._upload_gathered(task, rank_plan, data)
+
+    def _upload_gathered(
+        self, task: GatherTask, rank_plan: RankPlan, data: bytearray
+    ) -> dict[str, Any]:
+        name = rank_plan.files[task.file]
         ref = PartRef(
             task.file, name, task.number, task.start, rank_plan.store.uploads.get(task.file)
         )
-        return task.file, self.client.upload_part(self.root, rank_plan.save_id, ref, data)
+        return self.client.upload_part(self.root, rank_plan.save_id, ref, data)
 
     def abort(self, rank_plan: RankPlan) -> None:
         """Remove what this save made (parts, uncommitted blocks, open uploads), so that no rank
         goes on writing a doomed checkpoint; best effort (the next save to this path, or pruning
         the step, removes what is left)."""
+        self.held.clear()
         self._discard(rank_plan.files, rank_plan.save_id)
 
 
-class ClientRanges(Ranges):
-    """Ranged GETs through a part store's own retried client, up to 16 in flight per call."""
-
-    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy, client: PartsClient) -> None:
-        super().__init__(fs, retry, client.errors)
-        self.client = client
-
-    def get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        return self.client.get_spans([(path, start, end) for start, end in ranges])
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        return self.client.get_range(path, start, end)
-
-    def fetch(
-        self,
-        spans: Sequence[tuple[str, int, int]],
-        concurrency: int,
-        deliver: Callable[[int, bytes], None],
-    ) -> None:
-        self.client.get_spans(spans, concurrency=concurrency, deliver=deliver)
-
-
-class Uploader(Generic[_Part]):
-    """Runs ``send(part, data)`` for filled parts (a rank's own, or a staged object's) on a small
-    pool, at most ``in_flight`` pending, so the caller fills the next part while earlier ones
-    travel; ``wait`` gives every part's result (the first failure raised)."""
-
-    def __init__(
-        self, send: Callable[[_Part, bytearray], dict[str, Any]], in_flight: int = _IN_FLIGHT
-    ) -> None:
-        self.send, self.in_flight = send, in_flight
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[Future[dict[str, Any]]] = deque()
-        self.done: list[dict[str, Any]] = []
-
-    def submit(self, part: _Part, data: bytearray) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="hf-dcp-part")
-        while len(self._pending) >= self.in_flight:
-            self.done.append(self._pending.popleft().result())
-        self._pending.append(self._pool.submit(self.send, part, data))
-
-    def wait(self) -> list[dict[str, Any]]:
-        while self._pending:
-            self.done.append(self._pending.popleft().result())
-        return self.done
-
-    def close(self) -> None:
-        for fut in self._pending:
-            fut.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-
-def quietly(cleanup: Callable[[], None], what: str) -> None:
-    """Clean up after a failure without masking it: a failing clean-up is logged, not raised."""
-    try:
-        cleanup()
-    except Exception as exc:  # noqa: BLE001 - the original error is the one to report
-        logger.warning("could not remove %s (%s); the next save to this path removes it", what, exc)
+def _held_bytes(placed: PlacedChunks, plan: PartPlan, world: int) -> np.ndarray:
+    """Per rank, the bytes of its chunks outside its own parts: what it stages, or holds for
+    the gathering ranks."""
+    own = np.zeros(world, dtype=np.int64)
+    for file_parts in plan.parts:
+        for p in file_parts:
+            if isinstance(p, RankPart):
+                own[p.rank] += p.nbytes
+    return placed.bytes_per_rank(world) - own

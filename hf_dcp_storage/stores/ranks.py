@@ -8,20 +8,19 @@ so that no rank goes on writing a doomed checkpoint.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..io import fsio
-from ..io.parallel import parallel_map
 from ..plan.rankplan import FINISHED, Finished, RankPlan
 from ..session import meeting
 from ..session.records import rank_record, rank_record_name
 from .base import STAGING_DIR, Slabs, Store
 
-__all__ = ["finish_tasks", "run_rank", "write_own"]
+__all__ = ["finish_tasks", "record", "run_rank", "write_own"]
 
 
 def run_rank(
@@ -74,24 +73,53 @@ def write_own(
     store: Store, items: list[WriteItem], rank_plan: RankPlan, slabs: Slabs
 ) -> list[WriteResult]:
     """(each rank) This rank's own bytes, then its record (what lets ``hf-dcp consolidate``
-    finish the save); a failure aborts what the store can."""
+    finish the save), unless the store records it after the finishing work
+    (``Store.records_late``: ``finish_tasks`` does); a failure aborts what the store can."""
     try:
         results = store.write(items, rank_plan, slabs)
-        record = rank_record(rank_plan.save_id, rank_plan.rank, items, results).encode()
-        store.put(fsio.join(store.root, STAGING_DIR, rank_record_name(rank_plan.rank)), record)
+        if not store.records_late(rank_plan):
+            record(store, items, rank_plan, results)
     except BaseException:
         store.abort(rank_plan)
         raise
     return results
 
 
-def finish_tasks(store: Store, rank_plan: RankPlan, threads: int) -> WriteResult:
-    """(each rank given finishing work, once every rank has staged) Run its tasks on the store;
-    one result for the coordinator: the parts it gathered, the files it merged, its bytes. A
-    failure aborts what the store can, as a failed write does."""
+def record(
+    store: Store,
+    items: list[WriteItem],
+    rank_plan: RankPlan,
+    results: list[WriteResult],
+    gathered: Mapping[int, tuple[dict[str, Any], ...]] | None = None,
+) -> None:
+    """(each rank) Put its record (``rank{r}.json``): its items' results and, where it records
+    late, the parts it gathered."""
+    data = rank_record(rank_plan.save_id, rank_plan.rank, items, results, gathered).encode()
+    store.put(fsio.join(store.root, STAGING_DIR, rank_record_name(rank_plan.rank)), data)
+
+
+def finish_tasks(
+    store: Store,
+    rank_plan: RankPlan,
+    threads: int,
+    rank_timeout: float,
+    own: tuple[list[WriteItem], list[WriteResult]],
+) -> WriteResult:
+    """(each rank the store ``finishes`` with, once every rank has staged) Run its tasks on the
+    store, then, where the store records late, the rank's record (``own``: its items and their
+    results) with the parts it gathered; one result for the coordinator: the parts it gathered,
+    the files it merged, its bytes. A failure aborts what the store can, as a failed write
+    does."""
     tasks: list[Any] = list(rank_plan.tasks)  # GatherTask or MergeTask: each has nbytes
     try:
-        done = parallel_map(lambda task: store.run_task(task, rank_plan), tasks, threads)
+        done, received, held = store.run_tasks(rank_plan, threads, rank_timeout)
+        if store.records_late(rank_plan):
+            gathered: dict[int, list[dict[str, Any]]] = {}
+            for file, etag in done:
+                if etag is not None:
+                    gathered.setdefault(file, []).append(etag)
+            items, results = own
+            record(store, items, rank_plan, results, {f: tuple(e) for f, e in gathered.items()})
     except BaseException:
         store.abort(rank_plan)
         raise
@@ -104,5 +132,7 @@ def finish_tasks(store: Store, rank_plan: RankPlan, threads: int) -> WriteResult
             parts.setdefault(file, []).append(etag)
     nbytes = sum(t.nbytes for t in tasks)
     return WriteResult(
-        FINISHED, nbytes, Finished({f: tuple(e) for f, e in parts.items()}, tuple(merged), nbytes)
+        FINISHED,
+        nbytes,
+        Finished({f: tuple(e) for f, e in parts.items()}, tuple(merged), nbytes, received, held),
     )

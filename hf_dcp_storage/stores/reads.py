@@ -8,21 +8,24 @@ file (``plan/reads.plan_requests``: runs sorted, near ones joined, cut to a requ
 them concurrently across files, and copies each answer into its slabs as it arrives, so a load
 sends about one request per joined span or request size, not one per tensor, and holds no more
 than the requests in flight. Local files are read run by run instead (``stores/local.py``).
+``KeptReads`` serves the runs that lie in bytes the load read already (each file's first bytes,
+read with its header where the index records none) and hands only the rest on.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from fsspec import AbstractFileSystem
 
 from ..io import fsio
-from ..plan.reads import REQUEST_BYTES, coalesce, plan_requests
+from ..plan.reads import REQUEST_BYTES, coalesce, plan_requests, split_kept
 from .retry import FSSPEC_ERRORS, ErrorRules, RetryPolicy
 
-__all__ = ["RangeReads", "Ranges", "Reads", "SlabRead"]
+__all__ = ["KeptReads", "RangeReads", "Ranges", "Reads", "SlabRead"]
 
 T = TypeVar("T")
 
@@ -189,3 +192,50 @@ class RangeReads:
 
     def close(self) -> None:
         """Nothing is held between requests."""
+
+
+class KeptReads:
+    """``reads``, less the byte runs that ``kept`` holds: ``path -> (first byte, bytes)`` of a
+    file that the load read already (``HFStorageReader.read_metadata``: the bytes after a header,
+    ``io/files.read_head``). Those runs are copied from them (``plan/reads.split_kept``), the
+    rest go to ``reads`` as they would have; ``served`` counts the bytes copied. Thread-safe."""
+
+    def __init__(self, reads: Reads, kept: Mapping[str, tuple[int, bytes]]) -> None:
+        self.reads, self.kept = reads, kept
+        self.served = 0
+        self._lock = threading.Lock()
+
+    def _serve(
+        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
+    ) -> Sequence[tuple[int, int, int]]:
+        """Copy the runs ``kept`` holds into ``view``; returns the rest of ``runs``."""
+        if path not in self.kept:
+            return runs
+        at, data = self.kept[path]
+        served, rest = split_kept(start, runs, at, at + len(data))
+        source = memoryview(data)
+        for offset, c, n in served:
+            view[c : c + n] = source[offset : offset + n]
+        with self._lock:
+            self.served += sum(n for _, _, n in served)
+        return rest
+
+    def read_runs(
+        self, path: str, start: int, runs: Sequence[tuple[int, int, int]], view: memoryview
+    ) -> None:
+        rest = self._serve(path, start, runs, view)
+        if rest:
+            self.reads.read_runs(path, start, rest, view)
+
+    def read_batch(
+        self, slabs: Sequence[SlabRead], *, threads: int, in_flight: int, request_bytes: int
+    ) -> tuple[int, int]:
+        rest = [(p, s, r, v) for p, s, runs, v in slabs if (r := self._serve(p, s, runs, v))]
+        if not rest:
+            return 0, 0
+        return self.reads.read_batch(
+            rest, threads=threads, in_flight=in_flight, request_bytes=request_bytes
+        )
+
+    def close(self) -> None:
+        self.reads.close()

@@ -34,7 +34,8 @@ from ..plan.parts import S3_RULES
 from ..plan.rankplan import RankPlan
 from ..session.records import SAVE_RECORD, CompletionRecord, SaveRecord
 from .base import STAGING_DIR
-from .parts import PartsStore, quietly
+from .parts import PartsStore
+from .partsclient import quietly
 from .retry import RetryPolicy
 from .s3_requests import S3, S3_ERRORS, multipart_etag
 

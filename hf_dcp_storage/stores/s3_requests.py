@@ -1,7 +1,7 @@
 """The S3 requests the library makes itself: multipart uploads, their parts, ranged GETs.
 
 Used only when the fsspec filesystem is s3fs: ``stores/s3.py`` is the store built on them (the
-part-store design of ``stores/parts.py``, whose ``PartsClient`` this is), the reader's ranged
+part-store design of ``stores/parts.py``; ``stores/partsclient.PartsClient``), the reader's ranged
 GETs and pruning's aborts go through them too; every other store goes through its own requests
 or the generic fsspec path in ``io/fsio.py``. The requests go to s3fs's own botocore client (so
 credentials, endpoint, region and ``s3_additional_kwargs`` such as server-side encryption are the
@@ -22,7 +22,7 @@ from fsspec.asyn import sync
 
 from ..io import fsio
 from ..plan.parts import MIN_PART_BYTES
-from .parts import PartRef, PartsClient, Uploader, quietly
+from .partsclient import PartRef, PartsClient, Uploader, quietly
 from .retry import ErrorRules, RetryPolicy
 
 __all__ = ["S3", "S3_ERRORS", "MultipartWriter", "multipart_etag"]

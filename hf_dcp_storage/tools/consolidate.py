@@ -260,6 +260,8 @@ def _rebuild(
                 WriteResult(index, i.nbytes, Written(i.file, i.staged_offset, i.crc, i.parts))
             )
             written[i.key] += _numel(i.sizes)
+        if rank.gathered:  # the parts it gathered over the ranks' network: not gathered again
+            rank_results.append(WriteResult(FINISHED, 0, Finished(dict(rank.gathered), (), 0)))
         plans.append(SavePlan(items))
         results.append(rank_results)
     short = [k for k, n in written.items() if n != _numel(layout.specs[k].shape)]
@@ -296,6 +298,7 @@ def _with_gathered_parts(
         (r.storage_data.file, e["PartNumber"])
         for rs in results
         for r in rs
+        if r.index != FINISHED  # a rank's gathered parts (``_rebuild``) are among the extra
         for e in r.storage_data.parts
     }
     file_of = {plan.name: f for f, plan in enumerate(layout.files)}

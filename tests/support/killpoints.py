@@ -112,13 +112,13 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
     elif moment == "late-write":
         # The writer builds the rank's record once the store has written every byte, then puts it.
         before(
-            ranks, "rank_record", lambda save_id, r, items, results: rank == 1 and not _state(items)
+            ranks, "rank_record", lambda save_id, r, items, *rest: rank == 1 and not _state(items)
         )
     elif moment == "finishing":
         before(
             ranks,
             "finish_tasks",
-            lambda store, plan, threads: not store.root.rstrip("/").endswith("training_state"),
+            lambda store, plan, *rest: not store.root.rstrip("/").endswith("training_state"),
         )
     elif moment == "completing":
         from hf_dcp_storage.stores.azure import AzureStore
@@ -157,7 +157,7 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
             ),
         )
     elif moment == "training-state":
-        before(ranks, "rank_record", lambda save_id, r, items, results: rank == 1 and _state(items))
+        before(ranks, "rank_record", lambda save_id, r, items, *rest: rank == 1 and _state(items))
     elif moment == "before-commit":
         before(manager.CheckpointManager, "_commit", lambda m, s: True)
     elif moment == "pruning":

@@ -1,0 +1,59 @@
+"""A process group of one save's ranks, of its own: where a part store's save sends the runs
+too small to be parts to the ranks that gather them (``stores/exchange.py``).
+
+Not the trainer's group: ``dcp.async_save`` runs the save on a background thread (or process)
+while the training loop goes on issuing collectives on its groups, and two threads' collectives
+on one group interleave. Not ``dist.new_group`` either: every process of the job must call it,
+in the same order, from the thread that owns the groups. This group is a gloo backend made
+straight on the job's key-value store under a prefix of the save's id (as torch makes a group's
+backend), known to no one else: any thread may make it, only the save's ranks take part, and it
+goes when the save drops it. Its timeout is the save's ``rank_timeout``: a rank that stops taking
+part fails the others' sends and receives after that long, not after the store's 30 minutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from typing import Any, Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from .meeting import job_store
+
+__all__ = ["PointToPoint", "forget_group", "save_group"]
+
+_PREFIX = "hf_dcp_storage/group"
+
+
+class PointToPoint(Protocol):
+    """What the save's group is used for: a gloo backend's send and receive (torch's type stubs
+    do not list them on the backend). Each returns a work whose ``wait()`` raises on failure."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any: ...
+
+
+def save_group(save_id: str, rank: int, world: int, timeout: float) -> PointToPoint:
+    """(every rank of save ``save_id``, at the same point of the save) A gloo group of the
+    save's ``world`` ranks, this one ``rank``; send/recv only. Returns once every rank has
+    joined.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or the ranks did not all join
+            within ``timeout`` seconds.
+    """
+    store = dist.PrefixStore(f"{_PREFIX}/{save_id}", job_store())
+    group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout))
+    return cast(PointToPoint, group)
+
+
+def forget_group(save_id: str, rank: int) -> None:
+    """(each rank of the save, once its part in the exchange is over) Drop the address its
+    rendezvous left on the job's store (gloo names it ``<device>/<rank>`` under the prefix; one
+    device), so that a long job's saves leave nothing behind. Best effort: a key it cannot
+    delete is a few bytes, no failure."""
+    with contextlib.suppress(Exception):
+        job_store().delete_key(f"{_PREFIX}/{save_id}/0/{rank}")

@@ -1,0 +1,176 @@
+"""A part store's gathered parts over the ranks' own network, every byte uploaded once.
+
+Where a save would stage its runs too small to be parts (``stores/parts.py``), each rank holds
+them in host memory instead (``Held``: the staged object's bytes, in the same order). Once every
+rank has written its own parts (``session/meeting.py``), the ranks join a group of the save's own
+(``session/group.py``) and ``exchange``: each sends every gathering rank its pieces of each of
+that rank's parts, one message per (part, sender), in tag order (``plan/exchange.py``); each
+gathering rank receives its parts' pieces, a few parts at a time, puts them in order behind the
+header and uploads the part. Nothing is staged in the store and read back.
+
+Memory: a rank holds its runs (``held``, reported) until the exchange ends, at most ``window``
+messages in flight out, and ``threads`` parts being gathered, each at most a part plus its
+pieces as received.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..plan.exchange import Sends, part_tag
+from ..plan.spread import GatherTask, GatherTasks
+from ..session.group import PointToPoint
+
+__all__ = ["Held", "exchange"]
+
+# Messages a rank has in flight to the gathering ranks (each a part's worth at most).
+_WINDOW = 4
+
+
+class Held:
+    """One rank's staged bytes of one file, held in host memory: written in order, as a staged
+    object's stream is (``write``); a context manager, like the store's staged writers."""
+
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+        self.at = 0
+
+    def __enter__(self) -> Held:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def write(self, data: memoryview | bytes | bytearray) -> None:
+        n = len(data)
+        self.buf[self.at : self.at + n] = data
+        self.at += n
+
+
+def exchange(
+    group: PointToPoint,
+    rank: int,
+    held: Mapping[int, bytearray],
+    sends: Sends,
+    tasks: GatherTasks,
+    upload: Callable[[GatherTask, bytearray], dict[str, Any]],
+    *,
+    threads: int,
+    window: int = _WINDOW,
+) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """(every rank of the save, after every rank wrote its own bytes) Send this rank's pieces of
+    the parts others gather (``sends``), while gathering and uploading its own (``tasks``) with
+    ``upload(task, data)``, ``threads`` at a time. Returns each gathered part's ``(file, ETag
+    entry)`` and the bytes received from other ranks.
+
+    Raises:
+        RuntimeError: a rank stopped taking part (the group's timeout), a message of the wrong
+            size (an inconsistent plan), or an upload's own error.
+    """
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def send_all() -> None:
+        pending: deque[Any] = deque()
+        try:
+            for i in range(len(sends)):
+                if stop.is_set():
+                    return
+                task = sends.tasks.task(i)
+                message = torch.frombuffer(
+                    _message(held[task.file], task.ranges()), dtype=torch.uint8
+                )
+                pending.append(
+                    (
+                        group.send([message], int(sends.to[i]), part_tag(task.file, task.number)),
+                        message,
+                    )
+                )
+                while len(pending) > window:
+                    pending.popleft()[0].wait()
+            while pending:
+                pending.popleft()[0].wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, raised there
+            failure.append(exc)
+
+    def gather(task: GatherTask) -> tuple[tuple[int, dict[str, Any]] | None, int]:
+        data, received = _gather(group, rank, held, task)
+        if failed:
+            return None, received  # draining: see below
+        try:
+            return (task.file, upload(task, data)), received
+        except BaseException as exc:  # noqa: BLE001 - raised once the exchange has drained
+            failed.append(exc)
+            return None, received
+
+    # After a failed upload the rank goes on receiving (and sending) without uploading, so that
+    # no other rank is left waiting on it for the group's timeout: each fails its own way soon
+    # after (this rank's abort ends the save's uploads) or learns of it when DCP gathers results.
+    failed: list[BaseException] = []
+    order = sorted(range(len(tasks)), key=lambda i: part_tag(*tasks.parts[i, :2].tolist()))
+    sender = threading.Thread(target=send_all, name=f"hf-dcp-send-{rank}", daemon=True)
+    sender.start()
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="hf-dcp-gather") as pool:
+            done = list(pool.map(gather, [tasks.task(i) for i in order]))
+    except BaseException:
+        stop.set()  # the group failed: the sender stops at its next message
+        raise
+    sender.join()
+    if failed or failure:
+        raise (failed or failure)[0]
+    return [entry for entry, _ in done if entry is not None], sum(n for _, n in done)
+
+
+def _message(buf: bytearray, ranges: np.ndarray) -> memoryview | bytearray:
+    """A sender's pieces of one part, in file order: a view of ``buf`` where they lie back to
+    back in it (a rank stages its runs in file order, so they usually do), else a copy."""
+    starts, sizes = ranges[:, 2], ranges[:, 3]
+    if len(ranges) and (starts[1:] == starts[:-1] + sizes[:-1]).all():
+        return memoryview(buf)[int(starts[0]) : int(starts[-1] + sizes[-1])]
+    view = memoryview(buf)
+    return bytearray(
+        b"".join(view[s : s + n] for s, n in zip(starts.tolist(), sizes.tolist(), strict=True))
+    )
+
+
+def _gather(
+    group: PointToPoint, rank: int, held: Mapping[int, bytearray], task: GatherTask
+) -> tuple[bytearray, int]:
+    """Part ``task``'s bytes: its header's, then its pieces in file order, this rank's from
+    ``held`` and each other rank's from its one message; and the bytes received."""
+    ranges = task.checked_ranges()
+    tag = part_tag(task.file, task.number)
+    sources = ranges[:, 1]
+    received: dict[int, torch.Tensor] = {}
+    works = []
+    for src in np.unique(sources).tolist():
+        if src == rank:
+            continue
+        buf = torch.empty(int(ranges[sources == src, 3].sum()), dtype=torch.uint8)
+        works.append(group.recv([buf], src, tag))
+        received[src] = buf
+    for work in works:
+        work.wait()
+    out = bytearray(task.nbytes)
+    out[: len(task.head)] = task.head
+    views = {src: buf.numpy().data for src, buf in received.items()}
+    read = dict.fromkeys(views, 0)
+    own = memoryview(held[task.file]) if rank in sources else None
+    at = len(task.head)
+    for src, staged, n in ranges[:, 1:].tolist():
+        if src == rank:
+            assert own is not None
+            out[at : at + n] = own[staged : staged + n]
+        else:
+            out[at : at + n] = views[src][read[src] : read[src] + n]
+            read[src] += n
+        at += n
+    return out, sum(len(v) for v in views.values())
