@@ -13,6 +13,7 @@ import fsspec
 import pytest
 
 from tests.support import objectservers
+from tests.support.faultproxy import FaultProxy
 from tests.support.storage_options import (
     FAKE_AWS_ENV,
     UNSET_AWS_ENV,
@@ -190,3 +191,11 @@ def _fresh_root(fs_class: type, options: dict) -> Iterator[str]:
     finally:
         fs.rm(name, recursive=True)
         fs_class.clear_instance_cache()
+
+
+@pytest.fixture(scope="module")
+def s3_proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
+    """A fault-injecting, request-recording proxy in front of the S3 server
+    (``tests/support/faultproxy.py``), one per test module; tests ``clear()`` it."""
+    with FaultProxy(upstream=s3_endpoint) as p:
+        yield p

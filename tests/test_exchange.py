@@ -124,25 +124,21 @@ def _kind(r: Record) -> str:
     return r.method
 
 
-@pytest.fixture(scope="module")
-def _proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
-    with FaultProxy(upstream=s3_endpoint) as p:
-        yield p
-
-
 @pytest.fixture
-def proxied(_proxy: FaultProxy, s3_endpoint: str) -> Iterator[tuple[FaultProxy, str, dict, object]]:
+def proxied(
+    s3_proxy: FaultProxy, s3_endpoint: str
+) -> Iterator[tuple[FaultProxy, str, dict, object]]:
     direct = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
     bucket = f"hf-dcp-exchange-{uuid.uuid4().hex[:16]}"
     direct.mkdir(bucket)
-    _proxy.clear()
+    s3_proxy.clear()
     options = {
-        **s3_storage_options(_proxy.endpoint),
+        **s3_storage_options(s3_proxy.endpoint),
         "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}},
     }
-    yield _proxy, f"s3://{bucket}", options, direct
-    _proxy.clear()
-    assert _proxy.errors == []
+    yield s3_proxy, f"s3://{bucket}", options, direct
+    s3_proxy.clear()
+    assert s3_proxy.errors == []
     direct.rm(bucket, recursive=True)
 
 

@@ -198,22 +198,18 @@ def test_gcs_and_azure_serve_the_first_tensors_from_the_header_reads(request, ki
 # -- S3: requests counted by the proxy ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def _proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
-    with FaultProxy(upstream=s3_endpoint) as p:
-        yield p
-
-
 @pytest.fixture
-def proxied(_proxy: FaultProxy, s3_endpoint: str) -> Iterator[tuple[FaultProxy, str, dict, object]]:
+def proxied(
+    s3_proxy: FaultProxy, s3_endpoint: str
+) -> Iterator[tuple[FaultProxy, str, dict, object]]:
     """``(proxy, s3://bucket/ck, options through the proxy, s3fs straight to the server)``."""
     s3fs = pytest.importorskip("s3fs")
     direct = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
     bucket = f"hf-dcp-head-{uuid.uuid4().hex[:16]}"
     direct.mkdir(bucket)
-    _proxy.clear()
-    yield _proxy, f"s3://{bucket}/ck", s3_storage_options(_proxy.endpoint), direct
-    _proxy.clear()
+    s3_proxy.clear()
+    yield s3_proxy, f"s3://{bucket}/ck", s3_storage_options(s3_proxy.endpoint), direct
+    s3_proxy.clear()
     direct.rm(bucket, recursive=True)
 
 

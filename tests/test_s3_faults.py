@@ -47,24 +47,18 @@ def _options(endpoint: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def _proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
-    with FaultProxy(upstream=s3_endpoint) as p:
-        yield p
-
-
 @pytest.fixture
 def proxied(
-    _proxy: FaultProxy, s3_endpoint: str
+    s3_proxy: FaultProxy, s3_endpoint: str
 ) -> Iterator[tuple[FaultProxy, str, dict, s3fs.S3FileSystem]]:
     """``(proxy, s3://bucket, options through the proxy, s3fs straight to moto)``, fresh bucket."""
     direct = s3fs.S3FileSystem(**s3_storage_options(s3_endpoint))
     bucket = f"hf-dcp-fault-{uuid.uuid4().hex[:16]}"
     direct.mkdir(bucket)
-    _proxy.clear()
-    yield _proxy, f"s3://{bucket}", _options(_proxy.endpoint), direct
-    _proxy.clear()
-    assert _proxy.errors == []
+    s3_proxy.clear()
+    yield s3_proxy, f"s3://{bucket}", _options(s3_proxy.endpoint), direct
+    s3_proxy.clear()
+    assert s3_proxy.errors == []
     direct.rm(bucket, recursive=True)
 
 
