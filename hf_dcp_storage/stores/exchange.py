@@ -39,7 +39,9 @@ class Held:
     object's stream is (``write``); a context manager, like the store's staged writers."""
 
     def __init__(self, size: int) -> None:
-        self.buf = bytearray(size)
+        # Not zero-filled (as a bytearray would be): every byte is written once, in order, and
+        # filling hundreds of MiB first cost a pass over memory the save's CPUs are short of.
+        self.buf = np.empty(size, dtype=np.uint8)
         self.at = 0
 
     def __enter__(self) -> Held:
@@ -49,15 +51,16 @@ class Held:
         return None
 
     def write(self, data: memoryview | bytes | bytearray) -> None:
-        n = len(data)
-        self.buf[self.at : self.at + n] = data
+        piece = np.frombuffer(data, dtype=np.uint8)
+        n = len(piece)
+        self.buf[self.at : self.at + n] = piece
         self.at += n
 
 
 def exchange(
     group: PointToPoint,
     rank: int,
-    held: Mapping[int, bytearray],
+    held: Mapping[int, np.ndarray],
     sends: Sends,
     tasks: GatherTasks,
     upload: Callable[[GatherTask, bytearray], dict[str, Any]],
@@ -129,20 +132,20 @@ def exchange(
     return [entry for entry, _ in done if entry is not None], sum(n for _, n in done)
 
 
-def _message(buf: bytearray, ranges: np.ndarray) -> memoryview | bytearray:
+def _message(buf: np.ndarray, ranges: np.ndarray) -> memoryview | bytearray:
     """A sender's pieces of one part, in file order: a view of ``buf`` where they lie back to
     back in it (a rank stages its runs in file order, so they usually do), else a copy."""
     starts, sizes = ranges[:, 2], ranges[:, 3]
     if len(ranges) and (starts[1:] == starts[:-1] + sizes[:-1]).all():
-        return memoryview(buf)[int(starts[0]) : int(starts[-1] + sizes[-1])]
-    view = memoryview(buf)
+        return buf.data[int(starts[0]) : int(starts[-1] + sizes[-1])]
+    view = buf.data
     return bytearray(
         b"".join(view[s : s + n] for s, n in zip(starts.tolist(), sizes.tolist(), strict=True))
     )
 
 
 def _gather(
-    group: PointToPoint, rank: int, held: Mapping[int, bytearray], task: GatherTask
+    group: PointToPoint, rank: int, held: Mapping[int, np.ndarray], task: GatherTask
 ) -> tuple[bytearray, int]:
     """Part ``task``'s bytes: its header's, then its pieces in file order, this rank's from
     ``held`` and each other rank's from its one message; and the bytes received."""
@@ -163,7 +166,7 @@ def _gather(
     out[: len(task.head)] = task.head
     views = {src: buf.numpy().data for src, buf in received.items()}
     read = dict.fromkeys(views, 0)
-    own = memoryview(held[task.file]) if rank in sources else None
+    own = held[task.file].data if rank in sources else None
     at = len(task.head)
     for src, staged, n in ranges[:, 1:].tolist():
         if src == rank:

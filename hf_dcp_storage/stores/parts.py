@@ -85,7 +85,7 @@ class PartsStore(Store):
         # rank sends there, and (each rank) its held runs by file until they are sent.
         self.exchanged = False
         self.sends: list[Sends] = []
-        self.held: dict[int, bytearray] = {}
+        self.held: dict[int, np.ndarray] = {}
 
     @classmethod
     def ranges(cls, fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:

@@ -17,7 +17,8 @@
 #
 # Needs radosgw, ceph-mon, ceph-osd, radosgw-admin, ceph, monmaptool (scripts/setup/install_radosgw.sh).
 # Environment: RADOSGW_START_TIMEOUT (seconds for the whole start, default 120); RADOSGW_KEEP=1
-# (stop, and start on failure, kill the daemons but keep DIR, logs included, for a post-mortem).
+# (stop, and start on failure, kill the daemons but keep DIR, logs included, for a post-mortem);
+# RADOSGW_MEMSTORE_GIB (the OSD's RAM device, default 4: the benchmarks keep several checkpoints).
 set -euo pipefail
 
 usage() { echo "usage: $0 start DIR [OWNER_PID] | stop DIR" >&2; exit 2; }
@@ -196,7 +197,7 @@ mon warn on pool no redundancy = false
 mon warn on insecure global id reclaim allowed = false
 mon max pg per osd = 1000
 osd objectstore = memstore
-memstore device bytes = $((4 * 1024 * 1024 * 1024))
+memstore device bytes = $((${RADOSGW_MEMSTORE_GIB:-4} * 1024 * 1024 * 1024))
 memstore page set = false
 osd op num shards = 2
 osd op num threads per shard = 1

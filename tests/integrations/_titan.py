@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -105,9 +105,35 @@ def job(rank: int, world: int, runs: list[Run], out: str) -> None:
         train(rank, world, run, out)
 
 
-def train(rank: int, world: int, run: Run, out: str) -> None:
+@dataclasses.dataclass
+class Parts:
+    """What a torchtitan job hands its checkpoint manager, built as a fresh job builds it."""
+
+    spec: Any
+    model: torch.nn.Module
+    optimizers: Any
+    lr_schedulers: Any
+    dataloader: ParallelAwareDataloader
+    state: TrainState
+
+    def manager_parts(self) -> dict[str, Any]:
+        """The keyword arguments of a checkpoint manager's ``Config.build``."""
+        return {
+            "dataloader": self.dataloader,
+            "model_parts": [self.model],
+            "optimizers": self.optimizers,
+            "lr_schedulers": self.lr_schedulers,
+            "states": {"train_state": self.state},
+            "sd_adapter": self.spec.state_dict_adapter(self.spec.model, None),
+            "base_folder": "",
+        }
+
+
+def build(rank: int, world: int, init_seed: int) -> Parts:
+    """(every rank) The debug model under FSDP, its optimizer, scheduler, data loader and train
+    state, the model initialised under ``init_seed``."""
     spec = model_spec()
-    torch.manual_seed(run.init_seed)
+    torch.manual_seed(init_seed)
     model = spec.model.build()
     model.init_states()
     mesh = init_device_mesh("cpu", (world,))
@@ -126,19 +152,37 @@ def train(rank: int, world: int, run: Run, out: str) -> None:
         dp_world_size=world,
         batch_size=LOCAL_BATCH,
     )
-    state = TrainState()
+    return Parts(spec, model, optimizers, lr_schedulers, dataloader, TrainState())
+
+
+def step(
+    parts: Parts,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    before_optimizer: Callable[[], None] = lambda: None,
+) -> float:
+    """One training step in the ``Trainer``'s order, up to (not including) the checkpoint save:
+    forward, backward, ``before_optimizer()`` (the manager's ``maybe_wait_for_staging``), the
+    optimizer and scheduler steps. Returns the loss."""
+    parts.state.step += 1
+    tokens, labels = next(batches)
+    loss = F.cross_entropy(parts.model(tokens).flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    before_optimizer()
+    parts.optimizers.step()
+    parts.lr_schedulers.step()
+    parts.optimizers.zero_grad()
+    parts.state.ntokens_seen += tokens.numel()
+    return loss.item()
+
+
+def train(rank: int, world: int, run: Run, out: str) -> None:
+    parts = build(rank, world, run.init_seed)
+    spec, model, optimizers = parts.spec, parts.model, parts.optimizers
+    lr_schedulers, dataloader, state = parts.lr_schedulers, parts.dataloader, parts.state
     config = HFCheckpointManager.Config(
         enable=run.checkpoint is not None, load_step=run.load_step, **(run.checkpoint or {})
     )
-    checkpointer = config.build(
-        dataloader=dataloader,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=lr_schedulers,
-        states={"train_state": state},
-        sd_adapter=spec.state_dict_adapter(spec.model, None),
-        base_folder="",
-    )
+    checkpointer = config.build(**parts.manager_parts())
     record: dict[str, Any] = {"losses": {}}
     try:
         try:
@@ -156,16 +200,8 @@ def train(rank: int, world: int, run: Run, out: str) -> None:
             "position": dataloader.dataset.position,
         }
         while not run.load_only and state.step < run.stop_at:
-            state.step += 1
-            tokens, labels = next(batches)
-            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
-            loss.backward()
-            checkpointer.maybe_wait_for_staging()
-            optimizers.step()
-            lr_schedulers.step()
-            optimizers.zero_grad()
-            state.ntokens_seen += tokens.numel()
-            record["losses"][state.step] = loss.item()
+            loss = step(parts, batches, checkpointer.maybe_wait_for_staging)
+            record["losses"][state.step] = loss
             checkpointer.save(state.step, last_step=state.step == STEPS)
     finally:
         checkpointer.close()
