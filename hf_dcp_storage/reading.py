@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
+from .format.crc import crc32_of
 from .format.geometry import chunk_runs, element_size
 from .io.hostbuf import HostBuffers
 from .io.parallel import parallel_map
@@ -29,7 +30,14 @@ from .plan.layout import parse_size
 from .plan.reads import REQUEST_BYTES
 from .stores.reads import Reads, SlabRead
 
-__all__ = ["LoadStats", "check_buffer_size", "read_items", "request_budget"]
+__all__ = [
+    "CheckedTensor",
+    "LoadStats",
+    "check_buffer_size",
+    "read_items",
+    "read_verified",
+    "request_budget",
+]
 
 # Slabs packed into one host buffer start at multiples of this, so each views as any dtype.
 _ALIGN = 64
@@ -49,6 +57,67 @@ class StoredTensor(Protocol):
 
 
 S = TypeVar("S", bound=StoredTensor)
+
+
+class CheckedTensor(StoredTensor, Protocol):
+    """A stored tensor with its name and the CRC32 the index records for its bytes."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def crc(self) -> int | None: ...
+
+
+C = TypeVar("C", bound=CheckedTensor)
+
+
+def read_verified(
+    items: Sequence[ReadItem],
+    stored: C,
+    planner: LoadPlanner,
+    fill: Callable[[C, list[tuple[int, int, int]], memoryview], None],
+    url: str,
+) -> None:
+    """(each rank, with ``verify``) Read one whole tensor slab by slab (``fill(stored, runs,
+    view)``), check its CRC32, and fill every region ``items`` ask for; the regions are committed
+    only after the check passes.
+
+    Raises:
+        ValueError: the bytes read fail the checksum, naming ``url`` (the tensor's file) and key.
+    """
+    targets = [(item, planner.resolve_tensor(item).detach()) for item in items]
+    itemsize = element_size(stored.dtype)
+    row_bytes = math.prod(stored.shape[1:]) * itemsize
+    crc = 0
+    for r0, r1 in slab_bounds(stored.shape, itemsize):
+        rows = stored.shape and (r1 - r0,)
+        buf = torch.empty((*rows, *stored.shape[1:]), dtype=stored.dtype)
+        view = buf.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        fill(
+            stored,
+            [(r0 * row_bytes, 0, len(view))] if stored.shape else [(0, 0, itemsize)],
+            view,
+        )
+        crc = crc32_of(view, crc)
+        for item, target in targets:
+            if not stored.shape:
+                target.copy_(buf)
+                continue
+            o0, l0 = item.storage_offsets[0], item.lengths[0]
+            a, b = max(r0, o0), min(r1, o0 + l0)
+            if a < b:
+                src = buf[a - r0 : b - r0]
+                for d in range(1, len(stored.shape)):
+                    src = src.narrow(d, item.storage_offsets[d], item.lengths[d])
+                target[a - o0 : b - o0].copy_(src)
+    if crc != stored.crc:
+        raise ValueError(
+            f"{url}: tensor {stored.key!r} fails its checksum (crc32 of the bytes read "
+            f"{crc:08x}, the index records {stored.crc:08x}); the file is corrupt: restore it "
+            "from a copy or re-save"
+        )
+    for item, target in targets:
+        planner.commit_tensor(item, target)
 
 
 @dataclass
