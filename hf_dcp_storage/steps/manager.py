@@ -182,7 +182,6 @@ class CheckpointManager:
             raise FileExistsError(refusal)
         self._barrier()  # the folder is clear before anyone writes into it
 
-        step_folder.write_rank_state(self.fs, folder, self._rank, payload)
         options = {
             "max_shard_size": self.max_shard_size,
             "rank_timeout": self.rank_timeout,
@@ -190,14 +189,22 @@ class CheckpointManager:
         }
         model_writer, state_writer = step_folder.writers(self.fs, folder, bool(tensors), options)
         if not async_save:
-            dcp.save(dict(model_state_dict), storage_writer=model_writer)
-            if state_writer is not None:
-                dcp.save(tensors, storage_writer=state_writer)
+            # This rank's state goes up while the tensors are saved: its PUT (on an object store
+            # often the rank's first request, the slowest) holds up no collective of the saves.
+            with futures.ThreadPoolExecutor(1, thread_name_prefix="hf-dcp-rank-state") as pool:
+                put = pool.submit(
+                    step_folder.write_rank_state, self.fs, folder, self._rank, payload
+                )
+                dcp.save(dict(model_state_dict), storage_writer=model_writer)
+                if state_writer is not None:
+                    dcp.save(tensors, storage_writer=state_writer)
+                put.result()
             self._barrier()
             if self._rank == 0:
                 self._commit(step)
             self.prune()
             return None
+        step_folder.write_rank_state(self.fs, folder, self._rank, payload)
         return self._save_async(step, model_state_dict, tensors, model_writer, state_writer)
 
     def wait(self) -> None:

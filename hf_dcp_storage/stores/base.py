@@ -312,10 +312,17 @@ class Store(ABC):
         logged: the checkpoint is committed, and ``hf-dcp consolidate`` (or the next save to
         this path) removes what is left."""
         staging = fsio.join(self.root, STAGING_DIR)
+        names = self.staging_names()
         try:
-            self._retried(
-                lambda: fsio.remove_tree(self.fs, staging), "remove the staging folder", staging
-            )
+            if names is None:
+                self._retried(
+                    lambda: fsio.remove_tree(self.fs, staging), "remove the staging folder", staging
+                )
+            else:  # one bulk delete, no listing: a round trip less on every save
+                paths = [fsio.join(staging, n) for n in names]
+                self._retried(
+                    lambda: fsio.remove_many(self.fs, paths), "remove the records under", staging
+                )
         except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: a leftover is no failure
             url = fsio.url_of(self.fs, self.root)
             logger.warning(
@@ -325,6 +332,11 @@ class Store(ABC):
                 exc,
                 url,
             )
+
+    def staging_names(self) -> list[str] | None:
+        """(coordinator) Every name this save put under ``.hf_dcp_staging/``, where it knows them
+        all; ``None`` (the default) where others may be there: the folder is then listed."""
+        return None
 
     def put(self, path: str, data: bytes) -> None:
         """Write a small file whole: readers see all of it or nothing (and it is durable)."""

@@ -52,6 +52,9 @@ class GcsStore(PartsStore):
     def _staging(self) -> str:
         return fsio.join(self.root, STAGING_DIR)
 
+    def staging_names(self) -> list[str] | None:
+        return None  # the parts and the compose intermediates live there too: list the folder
+
     def _assemble(self, f: int, layout: Layout, entries: list[dict[str, Any]]) -> None:
         name = layout.files[f].name
         gcs = self.client

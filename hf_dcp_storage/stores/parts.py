@@ -46,7 +46,7 @@ from ..plan.placed import PlacedChunks, place_items
 from ..plan.rankplan import Finished, RankPlan, WrittenRows
 from ..plan.spread import GatherTask, GatherTasks
 from ..session.group import forget_group, save_group
-from ..session.records import COMPLETION_RECORD, CompletionRecord
+from ..session.records import COMPLETION_RECORD, SAVE_RECORD, CompletionRecord, rank_record_name
 from .base import STAGING_DIR, Slabs, Store
 from .exchange import Held, exchange
 from .filling import (
@@ -86,6 +86,7 @@ class PartsStore(Store):
         self.exchanged = False
         self.sends: list[Sends] = []
         self.held: dict[int, np.ndarray] = {}
+        self.world = 0  # the save's ranks (``plan``); 0 when finishing another save's records
 
     @classmethod
     def ranges(cls, fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
@@ -121,13 +122,25 @@ class PartsStore(Store):
             and len(layout.files) <= MAX_TAG_FILES
         )
         self.sends = plan_sends(plan.tasks, world) if self.exchanged else []
+        self.world = world
         return plan.tasks
 
     def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str]) -> None:
         """(``consolidate``) Finish a save from its records: its parts, re-planned from every
         rank's items, and the handles it made (``reconcile`` then notes what it had assembled)."""
         self.plan(layout, place_items(layout, plans), len(plans))
+        self.world = 0  # the interrupted save may have left more than its records: list them
         self.uploads = dict(uploads)
+
+    def staging_names(self) -> list[str] | None:
+        """The save's records (``session/records.py``: the save's, each rank's, the
+        completion's) where no bytes were staged as objects (gathered over the ranks' network,
+        or nothing gathered); ``prepare`` removed whatever an earlier save left there."""
+        staged = not self.exchanged and any(len(t) for t in self.gathers)
+        if not self.world or staged:
+            return None
+        ranks = [rank_record_name(r) for r in range(self.world)]
+        return [SAVE_RECORD, *ranks, COMPLETION_RECORD]
 
     def rank_data(self, world: int) -> list[PartsRankPlan]:
         assert self.layout is not None, "plan() and prepare() come first"
