@@ -45,7 +45,7 @@ __all__ = ["HFStorageReader"]
 _KEPT_HERE = "hf_dcp_storage: read items kept on the rank"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class _Stored:
     """``Metadata.storage_data`` value: where one whole tensor's bytes are."""
 
@@ -234,7 +234,9 @@ class HFStorageReader(StorageReader):
             props = properties.get(entry.dtype) or properties.setdefault(
                 entry.dtype, TensorProperties(dtype=entry.dtype)
             )
-            origin = zeros.get(ndim) or zeros.setdefault(ndim, torch.Size([0] * ndim))
+            if ndim not in zeros:
+                zeros[ndim] = torch.Size([0] * ndim)
+            origin = zeros[ndim]
             state[key] = TensorStorageMetadata(props, shape, [ChunkStorageMetadata(origin, shape)])
             crc = checksums.get(key) if checksums is not None else None
             if self.verify and crc is None:
