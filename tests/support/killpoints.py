@@ -147,15 +147,10 @@ def arm(moment: str, kind: str, rank: int, step: int | None = None) -> None:
             lambda layout, results, tables: not any(k.startswith("state.") for k in layout.specs),
         )
     elif moment == "index-written":
-        import hf_dcp_storage.io.fsio as fsio
+        from hf_dcp_storage.stores.base import Store
 
-        before(
-            fsio,
-            "remove_tree",
-            lambda fs, path: (
-                path.rstrip("/").endswith(writer.STAGING_DIR) and "training_state" not in path
-            ),
-        )
+        # The coordinator's step after the index: its staging records (or folder) removed.
+        before(Store, "clear_staging", lambda store: "training_state" not in store.root)
     elif moment == "training-state":
         before(ranks, "rank_record", lambda save_id, r, items, *rest: rank == 1 and _state(items))
     elif moment == "before-commit":
