@@ -1170,6 +1170,14 @@ class Runner:
         if self.jsonl is not None:
             self.jsonl.close()
 
+    def report(self, table: str, md_out: str | os.PathLike[str] | None) -> None:
+        """The run's end: ``table`` printed and, with ``md_out``, written there with every record
+        as raw JSON lines; the work folder removed."""
+        print(table)
+        if md_out:
+            write_report(str(md_out), table, "".join(json.dumps(r) + "\n" for r in self.records))
+        remove_work_dir(self.work)
+
 
 def select(only: str | None, choices: dict[str, str], what: str = "contender") -> list[str]:
     """The names an ``--only`` comma list picks (each by letter or name), in ``choices``' order;

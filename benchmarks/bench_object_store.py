@@ -59,7 +59,6 @@ from benchmarks._harness import (
     make_work_dir,
     median,
     original_full,
-    remove_work_dir,
     run_ranks,
     run_single,
     same_bits,
@@ -69,7 +68,6 @@ from benchmarks._harness import (
     stats_delta,
     storage_options,
     timed_call,
-    write_report,
 )
 
 __all__ = ["main", "spec"]
@@ -456,10 +454,7 @@ def main() -> None:
         + "\n\n"
     )
     table = head + _table(rows, sizes)
-    print(table)
-    if args.md_out:
-        write_report(str(args.md_out), table, "".join(json.dumps(r) + "\n" for r in runner.records))
-    remove_work_dir(work)
+    runner.report(table, args.md_out)
 
 
 if __name__ == "__main__":

@@ -54,14 +54,12 @@ from benchmarks._harness import (
     interleave,
     make_work_dir,
     median,
-    remove_work_dir,
     run_single,
     seal_aws_env,
     server_stats,
     start_server,
     stats_delta,
     storage_options,
-    write_report,
 )
 
 __all__ = ["main"]
@@ -386,10 +384,7 @@ def main() -> None:
         f"{args.in_flight} in flight, {args.repeats} repeats, git {env['git']}, {env['date']})\n\n"
         + _table(rows, args)
     )
-    print(table)
-    if args.md_out:
-        write_report(str(args.md_out), table, "".join(json.dumps(r) + "\n" for r in runner.records))
-    remove_work_dir(work)
+    runner.report(table, args.md_out)
 
 
 if __name__ == "__main__":

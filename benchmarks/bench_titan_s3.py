@@ -33,7 +33,6 @@ from benchmarks._harness import (
     interleave,
     make_work_dir,
     median,
-    remove_work_dir,
     run_ranks,
     seal_aws_env,
     server_stats,
@@ -41,7 +40,6 @@ from benchmarks._harness import (
     stats_delta,
     storage_options,
     timed_call,
-    write_report,
 )
 
 __all__ = ["main"]
@@ -193,10 +191,7 @@ def main() -> None:
         f"# bench_titan_s3 ({args.server}, {args.ranks} ranks, {args.repeats} repeats, "
         f"torchtitan {env['torchtitan']}, git {env['git']}, {env['date']})\n\n" + _table(rows)
     )
-    print(table)
-    if args.md_out:
-        write_report(str(args.md_out), table, "".join(json.dumps(r) + "\n" for r in runner.records))
-    remove_work_dir(work)
+    runner.report(table, args.md_out)
 
 
 if __name__ == "__main__":
