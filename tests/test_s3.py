@@ -525,3 +525,68 @@ def test_stream_part_size_bounds_upload_buffers(s3) -> None:
         assert f.blocksize == expected, (hint, f.blocksize)
         f.close()
     _fs(options).rm_file(f"{bucket}/probe")
+
+
+def _sent_bodies(fs: s3fs.S3FileSystem) -> list[dict[str, str]]:
+    """The headers (lower-cased) of every request with a body that ``fs``'s client sends from now
+    on, observed on botocore's ``before-send`` event (nothing is changed)."""
+    from fsspec.asyn import sync
+
+    seen: list[dict[str, str]] = []
+
+    def observe(request, **_) -> None:
+        if request.body:
+            seen.append(
+                {
+                    str(k).lower(): v.decode() if isinstance(v, bytes) else str(v)
+                    for k, v in request.headers.items()
+                }
+            )
+
+    sync(fs.loop, fs.set_session).meta.events.register("before-send.s3", observe)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("config", "signed", "checksummed"),
+    [
+        ({}, False, True),  # the defaults: our CRC32, the body unsigned
+        ({"s3": {"payload_signing_enabled": True}}, True, True),  # the user keeps it signed
+        ({"request_checksum_calculation": "when_required"}, True, False),  # no checksums: signed
+    ],
+)
+def test_body_requests_carry_our_crc32_and_go_unsigned_unless_configured(
+    s3, config, signed, checksummed
+) -> None:
+    """Parts and PUTs carry the CRC32 computed here (botocore computes none) and are signed as
+    ``UNSIGNED-PAYLOAD`` (no SHA-256 pass over the body on an http endpoint), unless the user's
+    client configuration says otherwise; the server accepts them and the bytes are the ones
+    sent. Another request through the same client stays signed as botocore signs it."""
+    import base64
+    import hashlib
+    import zlib
+
+    from hf_dcp_storage.stores.retry import RetryPolicy
+    from hf_dcp_storage.stores.s3_requests import S3
+
+    bucket, options = s3
+    fs = _fs(options | {"skip_instance_cache": True, "config_kwargs": config})
+    seen = _sent_bodies(fs)
+    client = S3(fs, RetryPolicy())
+    root = bucket.removeprefix("s3://")
+    small, part = b"index bytes", random_tensor((5 * MiB // 4,), torch.float32, 7).numpy().tobytes()
+    client.put(f"{root}/small", small)
+    upload = client.create_upload(f"{root}/big")
+    entries = [client.upload_part_of(f"{root}/big", upload, 1, part)]
+    client.complete_upload(f"{root}/big", upload, entries)
+    fs.pipe_file(f"{root}/theirs", small)  # s3fs's own PUT through the same client
+
+    assert fs.cat_file(f"{root}/small") == small and fs.cat_file(f"{root}/big") == part
+    assert len(seen) == 4, [sorted(h) for h in seen]  # PUT, UploadPart, Complete, their PUT
+    for headers, body in [(seen[0], small), (seen[1], part)]:
+        crc = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+        assert headers.get("x-amz-checksum-crc32") == (crc if checksummed else None)
+        assert not checksummed or "x-amz-sdk-checksum-algorithm" not in headers  # not botocore's
+        expected = hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD"
+        assert headers["x-amz-content-sha256"] == expected
+    assert seen[3]["x-amz-content-sha256"] == hashlib.sha256(small).hexdigest()

@@ -24,6 +24,7 @@ from ..io import fsio
 from ..plan.parts import MIN_PART_BYTES
 from .partsclient import PartRef, PartsClient, Uploader, quietly
 from .retry import ErrorRules, RetryPolicy
+from .s3_payload import BODY_METHODS, body_checksum, checkpoint_bytes
 
 __all__ = ["S3", "S3_ERRORS", "MultipartWriter", "multipart_etag"]
 
@@ -121,7 +122,13 @@ class S3(PartsClient):
         client = await fs.get_s3(kwargs.get("Bucket"))
         # The user's s3_additional_kwargs (e.g. SSE) and requester-pays, filtered per method.
         full = fs._get_s3_method_kwargs(getattr(client, method), **kwargs)
-        response = await getattr(client, method)(**full)
+        if method not in BODY_METHODS:
+            response = await getattr(client, method)(**full)
+        else:
+            # The body's checksum computed here, and the body sent unsigned (``s3_payload.py``).
+            full.update(body_checksum(client, fs.s3_additional_kwargs, kwargs["Body"]))
+            with checkpoint_bytes(client):
+                response = await getattr(client, method)(**full)
         if method == "get_object":
             # Read inside the retried call: a body cut short is retried like any transient failure.
             body = response["Body"]
