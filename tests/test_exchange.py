@@ -24,9 +24,10 @@ import torch.distributed.checkpoint as dcp
 
 from benchmarks._synthetic_plans import LlamaConfig, Mesh, llama_shapes, rank_save_plan
 from benchmarks.bench_scale import dcp_global_plan, object_local_plan, plan_ours
-from hf_dcp_storage import HFStorageReader, HFStorageWriter, RetryPolicy
+from hf_dcp_storage import HFSavePlanner, HFStorageReader, HFStorageWriter, RetryPolicy
 from hf_dcp_storage.plan.exchange import part_tag, plan_sends
 from hf_dcp_storage.plan.spread import GatherTasks
+from hf_dcp_storage.stores.exchange import Held
 from tests.support.data import assert_same, folder_bytes, random_tensor
 from tests.support.dist import run_ranks
 
@@ -97,6 +98,26 @@ def test_a_save_that_gathers_nothing_sends_nothing() -> None:
     assert [len(s) for s in plan_sends([empty, empty], 2)] == [0, 0]
 
 
+def test_held_pieces_keep_views_of_tensors_and_copy_reused_buffers() -> None:
+    """A rank's held bytes: a tensor read in place is held as a view of it (no copy: its memory
+    is shared), a slab in a reusable buffer as a copy (the buffer changes after, the held bytes
+    do not); any range of the stream reads back, across pieces too."""
+    tensor = torch.arange(64, dtype=torch.uint8)
+    reused = bytearray(b"abcdefgh")
+    held = Held(64 + 8 + 16)
+    held.keep(tensor.numpy().data[:64])
+    held.write(reused)
+    held.write(b"")  # an empty tensor's piece: nothing held, nothing breaks
+    held.keep(tensor.numpy().data[16:32])
+    reused[:] = b"XXXXXXXX"
+    assert held.at == held.size == 88 and len(held.pieces) == 3
+    assert np.shares_memory(np.frombuffer(held.pieces[0], np.uint8), tensor.numpy())
+    expect = bytes(range(64)) + b"abcdefgh" + bytes(range(16, 32))
+    for start, n in [(0, 88), (3, 5), (60, 10), (64, 8), (70, 12), (87, 1), (10, 0)]:
+        assert bytes(held.view(start, n)) == expect[start : start + n], (start, n)
+    assert np.shares_memory(np.frombuffer(held.view(3, 5), np.uint8), tensor.numpy())
+
+
 # -- on S3, counted ---------------------------------------------------------------------------
 
 
@@ -158,8 +179,11 @@ def _save(rank: int, world: int, url: str, options: dict, local: str, mode: str,
         for k, v in _state_dict().items()
     }
     writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2)
-    if mode == "sync":
-        meta = dcp.save(sd, storage_writer=writer)
+    # "cast": every tensor saved as float32, so every slab is a copy in a reusable host buffer
+    # (held copied), where the other modes hold views of the tensors themselves.
+    planner = HFSavePlanner(save_dtype=torch.float32) if mode == "cast" else None
+    if mode in ("sync", "cast"):
+        meta = dcp.save(sd, storage_writer=writer, planner=planner)
     elif mode == "stager":
         stager = DefaultStager(StagingOptions(False, False, True, False))
         try:
@@ -178,11 +202,12 @@ def _save(rank: int, world: int, url: str, options: dict, local: str, mode: str,
         stats["group_keys_left"] = [k for k in keys if store.check([k])]
     if rank == 0:
         Path(out).write_text(json.dumps(stats))
-    dcp.save(sd, storage_writer=HFStorageWriter(local))
+    planner = HFSavePlanner(save_dtype=torch.float32) if mode == "cast" else None
+    dcp.save(sd, storage_writer=HFStorageWriter(local), planner=planner)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["sync", "thread", "process", "stager"])
+@pytest.mark.parametrize("mode", ["sync", "cast", "thread", "process", "stager"])
 def test_small_runs_go_over_the_ranks_network_and_every_byte_is_uploaded_once(
     proxied, tmp_path, mode
 ) -> None:

@@ -9,7 +9,7 @@ store says where a slab's bytes go (``place``: a direct write's aligned buffer),
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
@@ -18,11 +18,31 @@ from ..format.geometry import chunk_runs, element_size
 from .hostbuf import HostBuffers, copy_into, to_host
 from .slabs import as_bytes, slab_bounds, sub_chunk
 
-__all__ = ["Place", "chunk_bytes", "in_write_order", "item_slabs", "tensor_bytes"]
+__all__ = ["ItemSlabs", "Place", "chunk_bytes", "in_write_order", "item_slabs", "tensor_bytes"]
 
 # ``place(tensor byte offset, nbytes)``: where a slab that is one run of the tensor's bytes is to
 # be copied (host memory of exactly ``nbytes``), or ``None``: into a host buffer of the writer's.
 Place = Callable[[int, int], "memoryview | None"]
+
+
+class ItemSlabs:
+    """An iterator of a write item's ``(runs, bytes)`` slabs (``item_slabs``) that tells how long
+    they stay valid: with ``in_place``, each is a view of the tensor itself (a contiguous CPU
+    tensor already in the saved dtype), valid as long as the tensor is unchanged, which DCP
+    guarantees until the save's ``write_data`` returns; else each is a copy in a reusable
+    buffer, valid until the next slab is asked for."""
+
+    def __init__(
+        self, in_place: bool, slabs: Iterator[tuple[Iterable[tuple[int, int, int]], memoryview]]
+    ) -> None:
+        self.in_place = in_place
+        self._slabs = slabs
+
+    def __iter__(self) -> ItemSlabs:
+        return self
+
+    def __next__(self) -> tuple[Iterable[tuple[int, int, int]], memoryview]:
+        return next(self._slabs)
 
 
 def item_slabs(
@@ -30,16 +50,34 @@ def item_slabs(
     planner: SavePlanner,
     host: Callable[[torch.Tensor], HostBuffers],
     place: Place | None = None,
-) -> Iterable[tuple[Iterable[tuple[int, int, int]], memoryview]]:
+) -> ItemSlabs:
     """``(runs, bytes)`` per slab of a write item, cast to the planned dtype (bounded memory).
 
-    A CPU tensor already in the planned dtype is read in place; any other (on an accelerator,
-    or cast) is copied into ``place``'s memory where it gives some (the slab one run), else
-    through ``host(tensor)``'s reusable buffers, copied a slab ahead on CUDA. Each slab's bytes
-    are valid until the next slab is asked for (placed ones: until the store wrote them)."""
+    A CPU tensor already in the planned dtype is read in place (``ItemSlabs.in_place``); any
+    other (on an accelerator, or cast) is copied into ``place``'s memory where it gives some
+    (the slab one run), else through ``host(tensor)``'s reusable buffers, copied a slab ahead on
+    CUDA. Each slab's bytes are valid until the next slab is asked for (placed ones: until the
+    store wrote them; in place ones: as long as the tensor)."""
+    tensor = planner.resolve_data(item)
+    dtype = item.tensor_data.properties.dtype if item.tensor_data is not None else None
+    in_place = (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == "cpu"
+        and tensor.dtype == dtype
+        and tensor.is_contiguous()
+    )
+    return ItemSlabs(in_place, _slabs(item, tensor, host, place))
+
+
+def _slabs(
+    item: WriteItem,
+    tensor: object,
+    host: Callable[[torch.Tensor], HostBuffers],
+    place: Place | None,
+) -> Iterator[tuple[Iterable[tuple[int, int, int]], memoryview]]:
+    """``item_slabs``' slabs of ``tensor`` (what the planner resolved ``item`` to)."""
     td = item.tensor_data
     assert td is not None
-    tensor = planner.resolve_data(item)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(
             f"planner resolved {item.index.fqn!r} to {type(tensor).__name__}, expected a tensor"

@@ -15,6 +15,7 @@ pieces as received.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -35,13 +36,19 @@ _WINDOW = 4
 
 
 class Held:
-    """One rank's staged bytes of one file, held in host memory: written in order, as a staged
-    object's stream is (``write``); a context manager, like the store's staged writers."""
+    """One rank's staged bytes of one file, held in host memory for the gathering ranks: written
+    in order, as a staged object's stream is, as pieces (``view`` reads any range of the
+    stream); a context manager, like the store's staged writers.
+
+    A piece of a tensor read in place is held as a view of it (``keep``: no copy; the tensor
+    outlives the exchange, which ends inside the save's ``write_data``); any other piece is
+    copied (``write``: its slab's buffer is reused for the next slab).
+    """
 
     def __init__(self, size: int) -> None:
-        # Not zero-filled (as a bytearray would be): every byte is written once, in order, and
-        # filling hundreds of MiB first cost a pass over memory the save's CPUs are short of.
-        self.buf = np.empty(size, dtype=np.uint8)
+        self.size = size
+        self.pieces: list[memoryview] = []
+        self.starts: list[int] = []  # each piece's first byte in the stream
         self.at = 0
 
     def __enter__(self) -> Held:
@@ -50,17 +57,42 @@ class Held:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    def keep(self, data: memoryview) -> None:
+        self._add(data.cast("B") if data.format != "B" else data)
+
     def write(self, data: memoryview | bytes | bytearray) -> None:
-        piece = np.frombuffer(data, dtype=np.uint8)
-        n = len(piece)
-        self.buf[self.at : self.at + n] = piece
-        self.at += n
+        self._add(memoryview(bytearray(data)))
+
+    def _add(self, piece: memoryview) -> None:
+        if not len(piece):
+            return  # an empty tensor's: nothing to read, and ``view`` never stops on one
+        self.pieces.append(piece)
+        self.starts.append(self.at)
+        self.at += len(piece)
+
+    def view(self, start: int, n: int) -> memoryview:
+        """Stream bytes ``[start, start + n)``: a view where they lie in one piece, else a copy."""
+        if not n:
+            return memoryview(b"")
+        i = bisect.bisect_right(self.starts, start) - 1
+        offset = start - self.starts[i]
+        piece = self.pieces[i]
+        if offset + n <= len(piece):
+            return piece[offset : offset + n]
+        out = bytearray(n)
+        at = 0
+        while at < n:
+            piece = self.pieces[i]
+            take = min(n - at, len(piece) - offset)
+            out[at : at + take] = piece[offset : offset + take]
+            at, offset, i = at + take, 0, i + 1
+        return memoryview(out)
 
 
 def exchange(
     group: PointToPoint,
     rank: int,
-    held: Mapping[int, np.ndarray],
+    held: Mapping[int, Held],
     sends: Sends,
     tasks: GatherTasks,
     upload: Callable[[GatherTask, bytearray], dict[str, Any]],
@@ -132,20 +164,23 @@ def exchange(
     return [entry for entry, _ in done if entry is not None], sum(n for _, n in done)
 
 
-def _message(buf: np.ndarray, ranges: np.ndarray) -> memoryview | bytearray:
-    """A sender's pieces of one part, in file order: a view of ``buf`` where they lie back to
-    back in it (a rank stages its runs in file order, so they usually do), else a copy."""
+def _message(held: Held, ranges: np.ndarray) -> memoryview:
+    """A sender's pieces of one part, in file order: a view of the held bytes where they lie
+    back to back in one held piece (a rank holds its runs in file order, so they often do),
+    else a copy."""
     starts, sizes = ranges[:, 2], ranges[:, 3]
     if len(ranges) and (starts[1:] == starts[:-1] + sizes[:-1]).all():
-        return buf.data[int(starts[0]) : int(starts[-1] + sizes[-1])]
-    view = buf.data
-    return bytearray(
-        b"".join(view[s : s + n] for s, n in zip(starts.tolist(), sizes.tolist(), strict=True))
-    )
+        return held.view(int(starts[0]), int(starts[-1] + sizes[-1] - starts[0]))
+    out = bytearray(int(sizes.sum()))
+    at = 0
+    for s, n in zip(starts.tolist(), sizes.tolist(), strict=True):
+        out[at : at + n] = held.view(s, n)
+        at += n
+    return memoryview(out)
 
 
 def _gather(
-    group: PointToPoint, rank: int, held: Mapping[int, np.ndarray], task: GatherTask
+    group: PointToPoint, rank: int, held: Mapping[int, Held], task: GatherTask
 ) -> tuple[bytearray, int]:
     """Part ``task``'s bytes: its header's, then its pieces in file order, this rank's from
     ``held`` and each other rank's from its one message; and the bytes received."""
@@ -166,12 +201,12 @@ def _gather(
     out[: len(task.head)] = task.head
     views = {src: buf.numpy().data for src, buf in received.items()}
     read = dict.fromkeys(views, 0)
-    own = held[task.file].data if rank in sources else None
+    own = held.get(task.file) if rank in sources else None
     at = len(task.head)
     for src, staged, n in ranges[:, 1:].tolist():
         if src == rank:
             assert own is not None
-            out[at : at + n] = own[staged : staged + n]
+            out[at : at + n] = own.view(staged, n)
         else:
             out[at : at + n] = views[src][read[src] : read[src] + n]
             read[src] += n

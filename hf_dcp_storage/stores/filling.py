@@ -23,6 +23,7 @@ from ..plan.parts import GatherPart, RankPart, route_run
 from ..plan.rankplan import RankPlan, Written
 from ..plan.spread import GatherTasks, Source
 from .base import Slabs
+from .exchange import Held
 
 __all__ = [
     "FileShare",
@@ -143,7 +144,9 @@ def fill_file(
     for item in file_items:
         start = rank_plan.placements[item.index].tensor_start
         crc, nbytes = CrcAccumulator(), 0
-        for runs, data in slabs(item):
+        item_slabs = slabs(item)
+        write = _staged_write(staged, item_slabs)
+        for runs, data in item_slabs:
             nbytes += len(data)
             for tensor_off, chunk_off, n in runs:
                 run = data[chunk_off : chunk_off + n]
@@ -152,7 +155,7 @@ def fill_file(
                 for at, take, part in route_run(run_start, n, starts, parts):
                     piece = run[at - run_start : at - run_start + take]
                     if part is None:
-                        staged.write(piece)
+                        write(piece)
                     else:
                         assembler.add(part, at, piece)
         results.append(
@@ -161,6 +164,24 @@ def fill_file(
             )
         )
     return results
+
+
+def _staged_write(staged: Any, item_slabs: object) -> Callable[[memoryview], object]:
+    """How ``fill_file`` appends an item's staged pieces to ``staged``: pieces of a tensor read
+    in place (``io/items.ItemSlabs.in_place``), which outlives the exchange, are held as views
+    (``Held.keep``: no copy); any other piece is copied, its slab's buffer being reused."""
+    if isinstance(staged, Held) and getattr(item_slabs, "in_place", False):
+        return staged.keep
+    if staged is None:
+        return _nothing_staged
+    return staged.write
+
+
+def _nothing_staged(piece: memoryview) -> object:
+    raise RuntimeError(
+        f"a {len(piece)}-byte piece is to be staged where the plan stages nothing; the plan is "
+        "inconsistent"
+    )
 
 
 def gather_bytes(

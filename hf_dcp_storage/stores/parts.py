@@ -85,7 +85,7 @@ class PartsStore(Store):
         # rank sends there, and (each rank) its held runs by file until they are sent.
         self.exchanged = False
         self.sends: list[Sends] = []
-        self.held: dict[int, np.ndarray] = {}
+        self.held: dict[int, Held] = {}
         self.world = 0  # the save's ranks (``plan``); 0 when finishing another save's records
 
     @classmethod
@@ -278,7 +278,7 @@ class PartsStore(Store):
                     f"{name}: rank {rank_plan.rank} held {stream.at} bytes for the gathering "
                     f"ranks, the plan says {staged_size}; the plan is inconsistent"
                 )
-            self.held[file] = stream.buf
+            self.held[file] = stream
         return with_parts(results, entries)
 
     def finishes(self, rank_plan: RankPlan) -> bool:
@@ -300,7 +300,7 @@ class PartsStore(Store):
         plan: PartsRankPlan = rank_plan.store
         if not plan.exchange:
             return super().run_tasks(rank_plan, threads, rank_timeout)
-        held = sum(len(b) for b in self.held.values())
+        held = sum(h.size for h in self.held.values())
         try:
             group = save_group(rank_plan.save_id, rank_plan.rank, rank_plan.world, rank_timeout)
             tasks = rank_plan.tasks
