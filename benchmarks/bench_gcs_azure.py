@@ -5,8 +5,9 @@ on fake-gcs-server and Azurite (loopback, started here by ``tests/support/object
         --md-out benchmarks/results/gcs_azure-cpu-2core.md
 
 One job of ``--ranks`` gloo CPU ranks (spawned) per store runs every repeat; within a repeat the
-contenders run one after another (interleaved repeat by repeat, so drift of the shared machine
-hits all alike), each timed on every rank from a barrier to its return, the slowest rank
+contenders run one after another, listed order on even repeats and reversed on odd ones
+(``repeat_order``: neither the first contender's cold start nor a drift of the shared machine
+favours one), each timed on every rank from a barrier to its return, the slowest rank
 counting:
 
   save  ours        ``HFStorageWriter`` -> consolidated ``model-*.safetensors`` + index (the ranks
@@ -93,6 +94,7 @@ def _rank(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from benchmarks._harness import repeat_order
     from hf_dcp_storage import HFStorageReader, HFStorageWriter
     from hf_dcp_storage.io import fsio
     from hf_dcp_storage.tools.dcp_format import FsspecReader, FsspecWriter
@@ -136,26 +138,24 @@ def _rank(
         dist.broadcast_object_list(holder, src=0)
         base = holder[0]
         writer = HFStorageWriter(f"{base}/ours", storage_options=options)
-        row = {"repeat": rep, "save": {}, "load": {}}
-        row["save"]["ours"] = timed(lambda: dcp.save(sd, storage_writer=writer))  # noqa: B023 - called within the iteration
+        row: dict[str, Any] = {"repeat": rep, "save": {}, "load": {}}
+        saves = {
+            "ours": lambda: dcp.save(sd, storage_writer=writer),  # noqa: B023 - called within the iteration
+            "pt_fsspec": lambda: dcp.save(sd, storage_writer=FsspecWriter(f"{base}/pt", **options)),  # noqa: B023 - called within the iteration
+            "raw": lambda: raw(fsio.resolve(f"{base}/raw", options)[1]),  # noqa: B023 - called within the iteration
+        }
+        for name in repeat_order(SAVES, rep):
+            row["save"][name] = timed(saves[name])
         row["merge_stats"] = writer.merge_stats.as_dict() if rank == 0 else None
-        row["save"]["pt_fsspec"] = timed(
-            lambda: dcp.save(sd, storage_writer=FsspecWriter(f"{base}/pt", **options))  # noqa: B023 - called within the iteration
-        )
-        row["save"]["raw"] = timed(lambda: raw(fsio.resolve(f"{base}/raw", options)[1]))  # noqa: B023 - called within the iteration
-        got = dest()
-        row["load"]["ours"] = timed(
-            lambda: dcp.load(
-                got,  # noqa: B023 - called within the iteration
-                storage_reader=HFStorageReader(f"{base}/ours", storage_options=options),  # noqa: B023 - called within the iteration
-            )
-        )
-        check(got)
-        got = dest()
-        row["load"]["pt_fsspec"] = timed(
-            lambda: dcp.load(got, storage_reader=FsspecReader(f"{base}/pt", **options))  # noqa: B023 - called within the iteration
-        )
-        check(got)
+        readers = {
+            "ours": lambda: HFStorageReader(f"{base}/ours", storage_options=options),  # noqa: B023 - called within the iteration
+            "pt_fsspec": lambda: FsspecReader(f"{base}/pt", **options),  # noqa: B023 - called within the iteration
+        }
+        for name in repeat_order(LOADS, rep):
+            got = dest()
+            reader = readers[name]()
+            row["load"][name] = timed(lambda: dcp.load(got, storage_reader=reader))  # noqa: B023 - called within the iteration
+            check(got)
         dist.barrier()
         if rank == 0:
             if rep == 0:
