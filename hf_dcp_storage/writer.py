@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .io import fsio
+from .io.companions import Companions, check_companions, read_companions
 from .io.direct import check_direct_io
 from .io.hostbuf import KeptHostBuffers
 from .io.items import item_slabs
@@ -103,6 +104,9 @@ class HFStorageWriter(StorageWriter):
             gathering their parts over a gloo group of the save's own (``stores/exchange.py``),
             every byte uploaded once; beyond it they are staged in the store and uploaded twice
             (``merge_stats.network_bytes``, ``client_bytes``, ``held_bytes`` say which).
+        companions: the model's config and tokenizer files, put next to the weights (the folder
+            loads with ``from_pretrained``): a folder (path or URL) whose files are copied, or a
+            dict of file name -> bytes, text, dict (JSON) or local path (``io/companions.py``).
 
     The coordinator's ``merge_stats`` (also in the returned ``Metadata``'s
     ``storage_data[MERGE_STATS_KEY]`` and an INFO log line) tells who moved the files' bytes.
@@ -128,6 +132,7 @@ class HFStorageWriter(StorageWriter):
         rank_timeout: float = meeting.DEFAULT_RANK_TIMEOUT,
         direct_io: bool | None = None,
         gather_memory: int | str = "2GB",
+        companions: Companions | None = None,
     ) -> None:
         super().__init__()
         if fqn_to_index_mapping is not None and not isinstance(fqn_to_index_mapping, Mapping):
@@ -138,7 +143,7 @@ class HFStorageWriter(StorageWriter):
         self.max_shard_bytes = parse_size(max_shard_size)
         self.storage_options = storage_options
         self.fqn_to_index_mapping = (
-            dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
+            None if fqn_to_index_mapping is None else dict(fqn_to_index_mapping)
         )
         self.overwrite = overwrite
         self.thread_count = check_thread_count(thread_count)
@@ -149,6 +154,7 @@ class HFStorageWriter(StorageWriter):
         self.gather_memory = (
             0 if gather_memory in (0, "0") else parse_size(gather_memory, "gather_memory")
         )
+        self.companions = check_companions(companions)
         self.store: Store | None = None
         self._host = KeptHostBuffers(thread_count)
         self.claim = Claim("HFStorageWriter", "save", "saving", "a dcp.async_save in flight")
@@ -169,6 +175,7 @@ class HFStorageWriter(StorageWriter):
         "rank_timeout",
         "direct_io",
         "gather_memory",
+        "companions",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -228,9 +235,7 @@ class HFStorageWriter(StorageWriter):
         # meeting's keys in ``finish``.
         self._save_id = ""
         self._meets = False
-        self._alone = (
-            False  # dcp.save(..., use_collectives=False): every rank plans and commits alone
-        )
+        self._alone = False  # dcp.save(..., use_collectives=False): each rank plans alone
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
@@ -308,9 +313,10 @@ class HFStorageWriter(StorageWriter):
                 ) from None
             raise
         self._layout = layout
-        # Step 2: I/O on the destination, still before any rank writes data.
+        # Step 2: I/O, before any rank writes (companions read first: a missing one writes nothing).
         self._save_id = store.save_id = uuid.uuid4().hex
-        coordinator.prepare(store, layout, len(plans), overwrite=self.overwrite)
+        extra = read_companions(self.companions, self.storage_options)
+        coordinator.prepare(store, layout, len(plans), overwrite=self.overwrite, companions=extra)
         self._meets = meets(tasks)
         return rank_plans(
             plans,
@@ -364,15 +370,10 @@ class HFStorageWriter(StorageWriter):
     def _write_own(
         self, items: list[WriteItem], rank_plan: RankPlan, planner: SavePlanner
     ) -> list[WriteResult]:
-        """(each rank) This rank's own bytes through the store, then its record
-        (``stores/ranks.py``)."""
+        """(each rank) This rank's bytes through the store, then its record (``stores/ranks``)."""
         assert self.store is not None
-        return ranks.write_own(
-            self.store,
-            items,
-            rank_plan,
-            lambda item, place=None: item_slabs(item, planner, self._host, place),
-        )
+        slabs = lambda item, place=None: item_slabs(item, planner, self._host, place)  # noqa: E731
+        return ranks.write_own(self.store, items, rank_plan, slabs)
 
     @released_on_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..io import fsio
+from ..io.companions import Companions
 from ..reader import HFStorageReader
 from ..writer import HFStorageWriter
 from .control import Control
@@ -121,12 +122,18 @@ def write_rank_state(fs: AbstractFileSystem, folder: str, rank: int, payload: by
 
 
 def writers(
-    fs: AbstractFileSystem, folder: str, has_tensors: bool, options: Mapping[str, Any]
+    fs: AbstractFileSystem,
+    folder: str,
+    has_tensors: bool,
+    options: Mapping[str, Any],
+    *,
+    companions: Companions | None = None,
 ) -> tuple[HFStorageWriter, HFStorageWriter | None]:
     """``(weights' writer, training state's writer or None)`` for a save into ``folder``;
-    ``options`` go to ``HFStorageWriter``."""
+    ``options`` go to both ``HFStorageWriter``s, ``companions`` (the model's config and
+    tokenizer files) to the weights' only."""
     # Writers and readers take URLs: a bare path of a remote store would mean local disk.
-    model_writer = HFStorageWriter(fsio.url_of(fs, folder), **options)
+    model_writer = HFStorageWriter(fsio.url_of(fs, folder), **options, companions=companions)
     state_writer = (
         HFStorageWriter(fsio.url_of(fs, fsio.join(folder, TRAINING_STATE_DIR)), **options)
         if has_tensors

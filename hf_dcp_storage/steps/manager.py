@@ -30,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..io import fsio
+from ..io.companions import Companions, check_companions
 from ..io.direct import check_direct_io
 from ..session.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
 from ..stores.retry import RetryPolicy
@@ -58,6 +59,9 @@ class CheckpointManager:
             ``HFStorageReader``.
         rank_timeout: passed to ``HFStorageWriter``: how long the ranks of an object-store save
             wait for a silent (dead or hung) rank before the save fails.
+        companions: the model's config and tokenizer files (a folder or a dict,
+            ``HFStorageWriter(companions=...)``), written into every step's weights folder, so
+            that each step loads with ``from_pretrained``.
         overwrite: let ``save`` replace a complete step of the same number (else refused).
         reuse_staging: with ``save(..., async_save=True)``, keep the host copy of the tensors
             that an async save stages and copy into it again at the next save, instead of
@@ -88,6 +92,7 @@ class CheckpointManager:
         rank_timeout: float = DEFAULT_RANK_TIMEOUT,
         async_mode: str = "thread",
         direct_io: bool | None = None,
+        companions: Companions | None = None,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(
@@ -106,6 +111,8 @@ class CheckpointManager:
             "direct_io": check_direct_io(direct_io),
         }
         self.max_shard_size = max_shard_size
+        check_companions(companions)
+        self.companions = companions
         self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
         self._in_flight: tuple[int, Reported[int]] | None = None
@@ -187,7 +194,9 @@ class CheckpointManager:
             "rank_timeout": self.rank_timeout,
             **self._io,
         }
-        model_writer, state_writer = step_folder.writers(self.fs, folder, bool(tensors), options)
+        model_writer, state_writer = step_folder.writers(
+            self.fs, folder, bool(tensors), options, companions=self.companions
+        )
         if not async_save:
             # This rank's state goes up while the tensors are saved: its PUT (on an object store
             # often the rank's first request, the slowest) holds up no collective of the saves.

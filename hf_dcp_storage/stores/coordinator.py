@@ -1,5 +1,6 @@
 """What the coordinator does in a save, whatever its store (``HFStorageWriter`` runs it):
-before any rank writes, prepare the destination and write the save record (``prepare``); once
+before any rank writes, prepare the destination and write the save record and the model's other
+files (``prepare``); once
 every rank has written, have the store make the files whole and commit by writing the index
 (``commit``). The rank side is ``stores/ranks.py``.
 """
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format.index import INDEX_NAME
 from ..io import fsio
+from ..io.parallel import parallel_map
 from ..plan.layout import Layout, index_bytes
 from ..plan.rankplan import FINISHED, combine_checksums
 from ..session.records import SAVE_RECORD, SaveRecord
@@ -25,15 +27,29 @@ from .retry import RetryPolicy
 __all__ = ["adopt", "commit", "prepare"]
 
 
-def prepare(store: Store, layout: Layout, world: int, *, overwrite: bool) -> None:
+def prepare(
+    store: Store,
+    layout: Layout,
+    world: int,
+    *,
+    overwrite: bool,
+    companions: Mapping[str, bytes] | None = None,
+) -> None:
     """(coordinator, before any rank writes) Prepare the destination (``Store.prepare``), then
-    write the save record that lets ``hf-dcp consolidate`` finish the save; a failure to write
-    it undoes what ``prepare`` made."""
+    write the save record that lets ``hf-dcp consolidate`` finish the save and the model's other
+    files (``companions``: name -> bytes, ``io/companions.py``; in parallel; the index, written
+    last, publishes them with the weights); a failure undoes what ``prepare`` made."""
     store.prepare(layout, overwrite)
     files = tuple((f.name, f.header) for f in layout.files)
     record = SaveRecord(store.save_id, store.mode, world, files, store.record_uploads())
+    extra = dict(companions or {})
     try:
         store.put(fsio.join(store.root, STAGING_DIR, SAVE_RECORD), record.encode())
+        parallel_map(
+            lambda name: store.put(fsio.join(store.root, name), extra[name]),
+            sorted(extra),
+            store.threads,
+        )
     except BaseException:
         store.undo_prepare(layout)
         raise
