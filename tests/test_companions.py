@@ -193,3 +193,51 @@ def test_checkpoint_manager_writes_the_companions_into_each_steps_weights_folder
         assert (folder / INDEX).exists()
         assert not (folder / "training_state" / "config.json").exists()
         assert (folder / "training_state").is_dir()
+
+
+def test_verify_checks_config_json_against_the_weights(tmp_path) -> None:
+    """``verify_checkpoint`` builds the model ``config.json`` describes (meta device) and
+    compares names and shapes: the right config passes (``lm_head`` tied to the embedding may be
+    absent), a wider, deeper or unknown model is reported, naming the tensors."""
+    from hf_dcp_storage import verify_checkpoint
+
+    model = _tiny_llama()
+    sd = model.state_dict()
+    config = model.config.to_dict()
+
+    def saved(name: str, cfg: dict, state: dict) -> Path:
+        out = tmp_path / name
+        writer = HFStorageWriter(str(out), companions={"config.json": cfg})
+        dcp.save(state, storage_writer=writer)
+        return out
+
+    right = verify_checkpoint(saved("right", config, sd))
+    assert right.ok, right.problems
+    assert not [n for n in right.notes if "config.json" in n], right.notes
+
+    tied = verify_checkpoint(
+        saved(
+            "tied",
+            config | {"tie_word_embeddings": True},
+            {k: v for k, v in sd.items() if k != "lm_head.weight"},
+        )
+    )
+    assert tied.ok, tied.problems
+
+    wider = verify_checkpoint(saved("wider", config | {"intermediate_size": 256}, sd))
+    shapes = [p for p in wider.problems if "from_pretrained refuses it" in p.message]
+    assert {p.key for p in shapes} >= {"model.layers.0.mlp.up_proj.weight"}, wider.problems
+    assert "[128, 64] in the files, [256, 64]" in shapes[0].message or any(
+        "[64, 128] in the files, [64, 256]" in p.message for p in shapes
+    ), [p.message for p in shapes]
+
+    deeper = verify_checkpoint(saved("deeper", config | {"num_hidden_layers": 3}, sd))
+    missing = {p.key for p in deeper.problems if "held by no file" in p.message}
+    assert "model.layers.2.self_attn.q_proj.weight" in missing, deeper.problems
+
+    renamed = {("base." + k if k.startswith("model.") else k): v for k, v in sd.items()}
+    mapped = verify_checkpoint(saved("renamed", config, renamed))
+    assert any("key-mapping mistake" in p.message for p in mapped.problems), mapped.problems
+
+    unknown = verify_checkpoint(saved("unknown", {"model_type": "no-such-model"}, sd))
+    assert unknown.ok and any("not checked against the weights" in n for n in unknown.notes)

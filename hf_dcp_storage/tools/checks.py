@@ -28,6 +28,7 @@ from ..io import fsio
 from ..io.files import Folder, read_header, read_index
 from ..io.parallel import parallel_map
 from ..writer import STAGING_DIR
+from .configcheck import CONFIG_NAME, config_problems
 from .crcpass import FileJob, Tensor
 from .folders import range_reader, safetensors_files
 from .verify_report import Problem, VerifyReport
@@ -108,12 +109,14 @@ class HfChecks:
         self._total_size(d, index, headers)
         self._strays(d, set(index.weight_map.values()))
         self._staging(d)
+        self._config(d, headers)
         return self._jobs(d, index, headers)
 
     def _single_file(self, d: HfDir) -> list[FileJob]:
         header = self._headers(d, [SINGLE_FILE_NAME]).get(SINGLE_FILE_NAME)
         if header is not None:
             self.report.tensors_checked += len(header.entries)
+            self._config(d, {SINGLE_FILE_NAME: header})
         self._strays(d, {SINGLE_FILE_NAME})
         self._staging(d)
         self.report.notes.append(
@@ -121,6 +124,18 @@ class HfChecks:
             "structure checked only"
         )
         return []
+
+    def _config(self, d: HfDir, headers: dict[str, FileHeader]) -> None:
+        """Where the folder holds a ``config.json``: it describes the weights (``configcheck``)."""
+        if CONFIG_NAME not in d.folder.files:
+            return
+        shapes = {e.name: e.shape for h in headers.values() for e in h.entries}
+        data = fsio.read_all(self.fs, fsio.join(d.root, CONFIG_NAME))
+        problems, note = config_problems(data, shapes)
+        for key, message in problems:
+            self.problem(d.name(CONFIG_NAME), key, f"{d.prefix}{message}")
+        if note is not None:
+            self.report.notes.append(d.name(note))
 
     def _index(self, d: HfDir) -> _IndexView | None:
         """Step 1; ``None`` when the index is unusable (not JSON, no weight_map)."""
