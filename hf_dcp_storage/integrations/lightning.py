@@ -64,6 +64,7 @@ except ImportError as exc:  # pragma: no cover - exercised where Lightning is ab
 from ..steps import folder as ckpt_folder
 from ..steps import named
 from ..steps.control import Control
+from ..writer import HFStorageWriter
 
 __all__ = ["LIGHTNING_STATE", "HFModelParallelStrategy"]
 
@@ -81,6 +82,9 @@ class HFModelParallelStrategy(ModelParallelStrategy):
             ``ModelParallelStrategy``.
         storage_options: passed to fsspec for every checkpoint path (credentials, endpoint...).
         max_shard_size: most tensor bytes per safetensors file (``"5GB"``, ``"512MiB"``, an int).
+        companions: where the module's state-dict keys are the HF model's, its ``config.json``
+            and tokenizer files for every checkpoint's weights folder (a folder or a dict,
+            ``HFStorageWriter(companions=...)``), so that each loads with ``from_pretrained``.
 
     Raises:
         ValueError: ``storage_options`` that are not a dict.
@@ -93,6 +97,7 @@ class HFModelParallelStrategy(ModelParallelStrategy):
         *,
         storage_options: dict[str, Any] | None = None,
         max_shard_size: int | str = "5GB",
+        companions: str | os.PathLike[str] | dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -109,6 +114,8 @@ class HFModelParallelStrategy(ModelParallelStrategy):
             )
         self.storage_options = storage_options
         self.max_shard_size = max_shard_size
+        HFStorageWriter(companions=companions)  # refuses bad ones now, not at the first save
+        self.companions = companions
         self._control = Control()
 
     # -- what a checkpoint holds: sharded, on the tensors' devices (the writer copies to host) --
@@ -163,7 +170,17 @@ class HFModelParallelStrategy(ModelParallelStrategy):
                 "values), or drop it in LightningModule.on_save_checkpoint"
             ) from None
         options = {"storage_options": self.storage_options, "max_shard_size": self.max_shard_size}
-        named.save(self._control, fs, folder, step, weights, tensors, payload, options)
+        named.save(
+            self._control,
+            fs,
+            folder,
+            step,
+            weights,
+            tensors,
+            payload,
+            options,
+            companions=self.companions,
+        )
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None

@@ -98,6 +98,13 @@ class HFCheckpointManager(_TitanCheckpointManager):
         max_shard_size: int | str = "5GB"
         """Most tensor bytes per safetensors file (``"5GB"``, ``"512MiB"`` or an int)."""
 
+        hf_companions: str | dict[str, Any] | None = None
+        """The model's ``config.json``, generation config and tokenizer files for every step's
+        weights folder (HF keys, through the state-dict adapter), so that each step, the HF
+        export included, loads with ``from_pretrained``: a folder (e.g. the model's
+        ``hf_assets_path``; local or a URL) or a dict of file name -> content
+        (``HFStorageWriter(companions=...)``). ``None``: the weights only."""
+
         def __post_init__(self) -> None:
             # torchtitan refuses last_save_in_hf / initial_load_in_hf with a remote folder because
             # its own HF writer and reader are local-only; ours are not. Its other rules still
@@ -173,6 +180,11 @@ class HFCheckpointManager(_TitanCheckpointManager):
         )
         if not self.enable:
             return
+        if config.hf_companions is not None and sd_adapter is None:
+            raise ValueError(
+                "checkpoint.hf_companions needs the model's state-dict adapter: without one the "
+                "steps hold torchtitan's own keys, which no config.json describes"
+            )
         self.async_mode = AsyncMode(config.async_mode)
         self.keep_latest_k = config.keep_latest_k
         self.storage_options = config.storage_options
@@ -184,6 +196,7 @@ class HFCheckpointManager(_TitanCheckpointManager):
             max_shard_size=config.max_shard_size,
             async_mode="process" if pinned else "thread",
             reuse_staging=pinned,
+            companions=config.hf_companions,
             # A step saved again (training on after load_step of an earlier one) replaces the old
             # one, as with torchtitan's own manager.
             overwrite=True,

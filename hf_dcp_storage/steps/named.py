@@ -79,6 +79,8 @@ def save(
     tensors: dict[str, torch.Tensor],
     payload: bytes,
     writer_options: Mapping[str, Any],
+    *,
+    companions: Any = None,
 ) -> str:
     """(all ranks, with what ``folder.prepare`` returned) Save a checkpoint under ``name``, over
     the one there; returns the folder it was written to, complete on every rank on return.
@@ -86,11 +88,15 @@ def save(
     Rank 0 picks the folder (``name`` if nothing complete is there, else a new version) and
     clears what killed saves left; every rank writes its state and runs the DCP saves; rank 0
     commits the folder, then points ``CURRENT`` at a version and removes what it replaced.
+    ``companions``: the model's config and tokenizer files, into the weights' folder
+    (``HFStorageWriter(companions=...)``).
     """
     folder = control.broadcast(_start(fs, name, step) if control.rank == 0 else None)
     control.barrier()  # the folder is clear before anyone writes into it
     ckpt_folder.write_rank_state(fs, folder, control.rank, payload)
-    model_writer, state_writer = ckpt_folder.writers(fs, folder, bool(tensors), writer_options)
+    model_writer, state_writer = ckpt_folder.writers(
+        fs, folder, bool(tensors), writer_options, companions=companions
+    )
     dcp.save(dict(weights), storage_writer=model_writer)
     if state_writer is not None:
         dcp.save(tensors, storage_writer=state_writer)

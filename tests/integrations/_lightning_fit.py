@@ -124,7 +124,10 @@ def main(spec_path: str) -> None:
         accelerator="cpu",
         devices=2,
         strategy=HFModelParallelStrategy(
-            data_parallel_size=2, tensor_parallel_size=1, storage_options=options
+            data_parallel_size=2,
+            tensor_parallel_size=1,
+            storage_options=options,
+            companions=spec.get("companions"),
         ),
         max_epochs=EPOCHS,
         callbacks=callbacks,

@@ -37,6 +37,7 @@ from tests.support.storage_options import fresh_bucket, s3_storage_options
 SCRIPT = Path(__file__).with_name("_lightning_fit.py")
 EPOCHS = 4
 FIT_TIMEOUT_S = 300
+README = "a toy model, saved by HFModelParallelStrategy\n"  # a companion file of every epoch
 
 
 def _fit(out: Path, **spec: Any) -> list[dict[str, Any]]:
@@ -66,7 +67,13 @@ def fits(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> dict[s
     buckets = fresh_bucket(moto_endpoint)
     bucket, options = next(buckets)
     best_dir, all_dir = f"{bucket}/best", str(out / "all")
-    first = _fit(out / "first", best_dir=best_dir, all_dir=all_dir, storage_options=options)
+    first = _fit(
+        out / "first",
+        best_dir=best_dir,
+        all_dir=all_dir,
+        storage_options=options,
+        companions={"README.md": README},
+    )
     kept = first[0]["checkpoints"][best_dir]["best_k"]
     resume_from = min(
         kept, key=lambda p: int(p.rsplit("=", 1)[1].split(".")[0])
@@ -101,11 +108,13 @@ def test_every_epoch_is_a_folder_of_safetensors_weights(fits: dict[str, Any]) ->
     final = root / f"all-epoch={EPOCHS - 1}.ckpt"
     assert sorted(os.listdir(final)) == [
         "COMMITTED",
+        "README.md",
         "model-00001-of-00001.safetensors",
         "model.safetensors.index.json",
         "training_state",
     ]
     assert json.loads((final / "COMMITTED").read_text())["step"] == EPOCHS * 4
+    assert (final / "README.md").read_text() == README  # the strategy's companions
     saved = load_file(final / "model-00001-of-00001.safetensors")
     full = fits["first"][0]["full"]
     assert saved.keys() == full.keys() and all(torch.equal(saved[k], full[k]) for k in full)
@@ -158,6 +167,8 @@ def test_a_fit_resumed_from_s3_continues_exactly(fits: dict[str, Any]) -> None:
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"storage_options='anon' must be None or a dict"):
         HFModelParallelStrategy(storage_options="anon")
+    with pytest.raises(ValueError, match=r"'a/b' is not a plain file name"):
+        HFModelParallelStrategy(companions={"a/b": b""})
     strategy = HFModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     with pytest.raises(
         TypeError,

@@ -44,6 +44,13 @@ WORLD = 2
 RESUMED = {"sync": 4, "thread": 3, "s3": 4}  # the step each phase-2 job resumes from
 
 
+def _hf_config() -> dict[str, Any]:
+    """The debug model's ``config.json``, as ``transformers`` writes it."""
+    import transformers
+
+    return transformers.LlamaConfig(**_titan.llama_dims(_titan.model_spec())).to_dict()
+
+
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("titan")
@@ -52,7 +59,13 @@ def titan(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> dict[
     export = {"last_save_model_only": True, "last_save_in_hf": True, "export_dtype": "float32"}
     configs = {
         "sync": dict(
-            folder=str(out / "sync"), interval=2, keep_latest_k=0, async_mode="disabled", **export
+            folder=str(out / "sync"),
+            interval=2,
+            keep_latest_k=0,
+            async_mode="disabled",
+            # Every step folder a complete HF folder: the config transformers reads.
+            hf_companions={"config.json": _hf_config()},
+            **export,
         ),
         "thread": dict(
             folder=str(out / "thread"), interval=1, keep_latest_k=2, async_mode="async", **export
@@ -206,9 +219,9 @@ def test_the_last_step_is_an_hf_export_with_the_logits_of_the_trained_model(
     # Weights only: the training state folder holds the ranks' JSON files, no tensors.
     assert sorted(os.listdir(folder / "training_state")) == ["rank_00000.json", "rank_00001.json"]
 
-    transformers.LlamaConfig(**json.loads((reference / "dims.json").read_text())).save_pretrained(
-        folder
-    )
+    # The config is the manager's companion file (hf_companions): no copying by hand.
+    written = json.loads((folder / "config.json").read_text())
+    assert written == json.loads(json.dumps(_hf_config()))  # JSON: int keys become strings
     hf_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     titan_model = spec.model.build()
     titan_model.load_state_dict(full)
