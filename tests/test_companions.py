@@ -2,8 +2,8 @@
 folder (config, generation config, tokenizer), so ``from_pretrained`` needs no extra step.
 
 * 2 gloo ranks save a tiny ``transformers`` Llama as Shard(0) DTensors with the folder that
-  ``save_pretrained`` wrote for its config and tokenizer as ``companions``, on local disk and on
-  S3 (moto, radosgw): ``AutoModelForCausalLM.from_pretrained`` and
+  ``save_pretrained`` wrote for its config and tokenizer as ``companions``, on local disk (a local
+  folder) and on S3 (moto, radosgw; the folder on S3 too): ``AutoModelForCausalLM.from_pretrained`` and
   ``AutoTokenizer.from_pretrained`` of the checkpoint give the model's logits and the tokenizer's
   ids, the companion files are the source's bytes.
 * A dict of contents (bytes, text, dict as JSON, a local path) is written as given.
@@ -106,14 +106,18 @@ def test_a_folder_of_companions_makes_a_complete_model_folder_on_local_disk(tmp_
 
 
 @pytest.mark.distributed
-def test_a_folder_of_companions_makes_a_complete_model_folder_on_s3(s3, tmp_path) -> None:
+def test_a_remote_folder_of_companions_makes_a_complete_model_folder_on_s3(s3, tmp_path) -> None:
     import s3fs
 
     bucket, options = s3
     model, source = _source_folder(tmp_path)
-    url = f"{bucket}/run/step_1"
-    run_ranks(_save, 2, str(tmp_path / "sd.pt"), url, options, str(source))
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    # The companions from a folder on the store too (a hub snapshot kept next to the runs).
+    remote = f"{bucket}/assets"
+    for p in source.iterdir():
+        fs.pipe_file(f"{remote.removeprefix('s3://')}/{p.name}", p.read_bytes())
+    url = f"{bucket}/run/step_1"
+    run_ranks(_save, 2, str(tmp_path / "sd.pt"), url, options, remote)
     root = url.removeprefix("s3://")
     local = tmp_path / "downloaded"
     local.mkdir()
