@@ -3,9 +3,9 @@ folder (config, generation config, tokenizer), so ``from_pretrained`` needs no e
 
 * 2 gloo ranks save a tiny ``transformers`` Llama as Shard(0) DTensors with the folder that
   ``save_pretrained`` wrote for its config and tokenizer as ``companions``, on local disk (a local
-  folder) and on S3 (moto, radosgw; the folder on S3 too): ``AutoModelForCausalLM.from_pretrained`` and
-  ``AutoTokenizer.from_pretrained`` of the checkpoint give the model's logits and the tokenizer's
-  ids, the companion files are the source's bytes.
+  folder) and on S3 (moto, radosgw; the folder on S3 too): ``from_pretrained`` of the checkpoint
+  (``AutoModelForCausalLM``, ``AutoTokenizer``) gives the model's logits and the tokenizer's ids,
+  and the companion files are the source's bytes.
 * A dict of contents (bytes, text, dict as JSON, a local path) is written as given.
 * Bad names and values are refused where the writer is made; a missing file fails the save
   before anything is written.
