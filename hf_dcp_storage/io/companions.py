@@ -45,6 +45,7 @@ COMPANION_NAMES = (
 Content = bytes | bytearray | str | Mapping[str, Any] | os.PathLike[str]
 Companions = str | os.PathLike[str] | Mapping[str, Content]
 
+# The save's staging folder (``stores/base.STAGING_DIR``; ``io/`` sits below ``stores/``).
 _STAGING = ".hf_dcp_staging"
 
 

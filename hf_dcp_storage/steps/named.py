@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
 
 from ..io import fsio
+from ..io.companions import Companions
 from . import folder as ckpt_folder
 from .control import Control
 from .retention import COMMIT_MARKER
@@ -80,7 +81,7 @@ def save(
     payload: bytes,
     writer_options: Mapping[str, Any],
     *,
-    companions: Any = None,
+    companions: Companions | None = None,
 ) -> str:
     """(all ranks, with what ``folder.prepare`` returned) Save a checkpoint under ``name``, over
     the one there; returns the folder it was written to, complete on every rank on return.
