@@ -23,25 +23,9 @@ import torch.distributed.checkpoint as dcp
 from hf_dcp_storage import HFStorageWriter
 from tests.support.checks import raises_in_checkpoint
 from tests.support.dist import run_ranks
+from tests.support.models import tiny_llama
 
 INDEX = "model.safetensors.index.json"
-
-
-def _tiny_llama():  # type: ignore[no-untyped-def]
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(4321)
-    return LlamaForCausalLM(config).eval()
 
 
 def _tiny_tokenizer():  # type: ignore[no-untyped-def]
@@ -57,7 +41,7 @@ def _tiny_tokenizer():  # type: ignore[no-untyped-def]
 
 def _source_folder(tmp_path: Path):  # type: ignore[no-untyped-def]
     """The model, and a folder with what ``save_pretrained`` writes besides the weights."""
-    model = _tiny_llama()
+    model = tiny_llama(seed=4321)
     source = tmp_path / "source"
     model.config.save_pretrained(source)
     model.generation_config.save_pretrained(source)
@@ -205,7 +189,7 @@ def test_verify_checks_config_json_against_the_weights(tmp_path) -> None:
     absent), a wider, deeper or unknown model is reported, naming the tensors."""
     from hf_dcp_storage import verify_checkpoint
 
-    model = _tiny_llama()
+    model = tiny_llama(seed=4321)
     sd = model.state_dict()
     config = model.config.to_dict()
 

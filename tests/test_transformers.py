@@ -21,29 +21,12 @@ import torch.distributed.checkpoint as dcp
 
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
 from tests.support.dist import run_ranks
+from tests.support.models import tiny_llama
 
 TIES = [False, True]
 TIE_IDS = ["untied", "tied"]
 # ~360 KB of float32 weights: 100 KB files make several shards.
 MAX_SHARD = "100KB"
-
-
-def _tiny_llama(tie: bool):  # type: ignore[no-untyped-def]
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        attn_implementation="eager",  # one kernel on both sides of every logits comparison
-    )
-    torch.manual_seed(1234)
-    return LlamaForCausalLM(config).eval()
 
 
 def _load_pretrained(folder: Path):  # type: ignore[no-untyped-def]
@@ -103,7 +86,7 @@ def _save_sharded_llama(rank: int, world: int, jobs: list[tuple[str, str, bool |
 
 @pytest.mark.distributed
 def test_dcp_save_on_2_ranks_loads_with_from_pretrained(tmp_path: Path) -> None:
-    models = {tie: _tiny_llama(tie) for tie in TIES}
+    models = {tie: tiny_llama(tie) for tie in TIES}
     jobs = []
     for tie, tag in zip(TIES, TIE_IDS, strict=True):
         sd = models[tie].state_dict()
@@ -139,7 +122,7 @@ def test_dcp_save_on_2_ranks_loads_with_from_pretrained(tmp_path: Path) -> None:
 def test_reader_loads_save_pretrained_folder(
     tmp_path: Path, tie: bool, max_shard_size: str | None
 ) -> None:
-    original = _tiny_llama(tie)
+    original = tiny_llama(tie)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     original.save_pretrained(tmp_path, **kwargs)
     if max_shard_size is None:
@@ -161,7 +144,7 @@ def test_reader_loads_save_pretrained_folder(
     _assert_state_dicts_equal(dest, expected, f"save_pretrained({max_shard_size})")
 
     # Loading in place into another model's parameters reproduces the original's logits.
-    other = _tiny_llama(tie)
+    other = tiny_llama(tie)
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()

@@ -66,16 +66,18 @@ def item_slabs(
         and tensor.dtype == dtype
         and tensor.is_contiguous()
     )
-    return ItemSlabs(in_place, _slabs(item, tensor, host, place))
+    return ItemSlabs(in_place, _slabs(item, tensor, in_place, host, place))
 
 
 def _slabs(
     item: WriteItem,
     tensor: object,
+    in_place: bool,
     host: Callable[[torch.Tensor], HostBuffers],
     place: Place | None,
 ) -> Iterator[tuple[Iterable[tuple[int, int, int]], memoryview]]:
-    """``item_slabs``' slabs of ``tensor`` (what the planner resolved ``item`` to)."""
+    """``item_slabs``' slabs of ``tensor`` (what the planner resolved ``item`` to; ``in_place``:
+    read as it is)."""
     td = item.tensor_data
     assert td is not None
     if not isinstance(tensor, torch.Tensor):
@@ -95,7 +97,7 @@ def _slabs(
         chunk_runs(td.size, *sub_chunk(td.chunk.offsets, sizes, r0, r1), itemsize)
         for r0, r1 in bounds
     ]
-    if tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous():
+    if in_place:
         for (r0, r1), slab_runs in zip(bounds, runs, strict=True):
             yield slab_runs, as_bytes(tensor[r0:r1] if sizes else tensor)
         return
