@@ -5,18 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -25,36 +18,34 @@ from .format.compare import header_difference
 from .format.geometry import element_size
 from .format.header import HeaderError, TensorEntry
 from .format.index import INDEX_NAME, FileHeader
+from .format.quantscheme import block_size_of
 from .io import fsio
+from .io.dequantizing import Dequantizer
 from .io.direct import check_direct_io
-from .io.files import Head, load_weight_map, read_head, read_header
+from .io.files import Head, load_weight_map, read_config, read_head, read_header
 from .io.gcpause import paused_gc
 from .io.hostbuf import KeptHostBuffers
 from .io.parallel import check_thread_count, parallel_map
 from .io.slabs import SLAB_BYTES
+from .plan.loadmeta import Stored, dequantize, load_metadata
 from .plan.reads import READ_GAP_BYTES
-from .reading import LoadStats, check_buffer_size, read_items, read_verified, request_budget
+from .reading import (
+    LoadStats,
+    check_buffer_size,
+    read_items,
+    read_scales,
+    read_verified,
+    request_budget,
+)
 from .session.claim import Claim, released_on_error
 from .stores import ranges_for
-from .stores.reads import KeptReads, Ranges
+from .stores.reads import KeptReads, Ranges, Reads
 from .stores.retry import RetryPolicy, policy_or_default
 
 __all__ = ["HFStorageReader"]
 
 # ``LoadPlan.storage_data`` of a plan whose items the rank kept (``prepare_local_plan``).
 _KEPT_HERE = "hf_dcp_storage: read items kept on the rank"
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """``Metadata.storage_data`` value: where one whole tensor's bytes are."""
-
-    file: str
-    start: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    key: str = ""
-    crc: int | None = None  # CRC32 the index records for the tensor's bytes, if any
 
 
 class HFStorageReader(StorageReader):
@@ -90,6 +81,15 @@ class HFStorageReader(StorageReader):
             or a string such as ``"512MB"``): half for slabs read into host memory (destinations
             on an accelerator or of another dtype), half for ranged requests in flight
             (``reading.py``). What one load read is in ``load_stats`` afterwards.
+        dequantize: a dtype (``torch.bfloat16``) to load quantized weights into, dequantized:
+            FP8 block-wise (``X.weight`` with ``X.weight_scale_inv``, DeepSeek-V3) and MXFP4
+            (``X_blocks`` with ``X_scales``, gpt-oss; ``[..., G, B]`` becomes ``[..., G * 2 * B]``
+            under the same key), as ``QuantizedHuggingFaceStorageReader(target_dtype=...)`` gives
+            them, bit for bit, from any store and into any sharding: each rank reads the blocks
+            its slices touch and every scale tensor once (``format/quantscheme.py``). The scales
+            stay loadable as stored. ``None`` (the default): every tensor loads as stored.
+        block_size: FP8 rows x columns per scale (an int: square): by default the folder's
+            ``config.json`` ``quantization_config.weight_block_size``, else 128.
 
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is
@@ -103,7 +103,16 @@ class HFStorageReader(StorageReader):
 
     # Pickled as its settings and path (DCP's process-based async machinery, or a user's own
     # process pool): the ranged reader, host buffers and locks are made anew where it lands.
-    _SETTINGS = ("storage_options", "thread_count", "retry", "verify", "direct_io", "buffer_size")
+    _SETTINGS = (
+        "storage_options",
+        "thread_count",
+        "retry",
+        "verify",
+        "direct_io",
+        "buffer_size",
+        "dequantize",
+        "block_size",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.checkpoint_id, **{k: getattr(self, k) for k in self._SETTINGS}}
@@ -121,8 +130,18 @@ class HFStorageReader(StorageReader):
         verify: bool = False,
         direct_io: bool | None = None,
         buffer_size: int | str = "512MB",
+        dequantize: torch.dtype | None = None,
+        block_size: int | tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        if dequantize is not None and not (
+            isinstance(dequantize, torch.dtype) and dequantize.is_floating_point
+        ):
+            raise ValueError(
+                f"dequantize={dequantize!r}: give the floating dtype to dequantize into "
+                "(torch.bfloat16, torch.float32), or None to load tensors as stored"
+            )
+        self.dequantize, self.block_size = dequantize, block_size
         self.storage_options = storage_options
         self.thread_count = check_thread_count(thread_count)
         self.retry = policy_or_default(retry)
@@ -130,7 +149,7 @@ class HFStorageReader(StorageReader):
         self.direct_io = check_direct_io(direct_io)
         self._ranges: Ranges | None = None  # how this store's byte ranges are read
         self.checkpoint_id: str | os.PathLike[str] | None = None
-        self.storage_data: dict[str, _Stored] = {}  # tensor name -> where its bytes are
+        self.storage_data: dict[str, Stored] = {}  # tensor name -> where its bytes are
         # This rank's read items, between prepare_local_plan and read_data.
         self._kept: list[ReadItem] = []
         self._heads: dict[str, tuple[int, bytes]] = {}  # bytes after headers read (read_head)
@@ -215,39 +234,17 @@ class HFStorageReader(StorageReader):
             for f, h in found.items()
             if isinstance(h, Head)
         }
-        state: dict[str, TensorStorageMetadata] = {}
-        storage: dict[str, _Stored] = {}
-        # Few objects per tensor (one size, zero offsets and properties shared where equal): at
-        # thousands of tensors they are what pushes a process into a full garbage collection,
-        # which costs ~0.5 us per live object of the whole process (0.15 s with torch imported).
-        zeros: dict[int, torch.Size] = {}
-        properties: dict[torch.dtype, TensorProperties] = {}
-        for key, file in weight_map.items():
-            entries, data_start = headers[file]
-            entry = entries.get(key)
-            if entry is None:
-                raise ValueError(
-                    f"{self._url(file)}: the index maps {key!r} to this file, but its header has "
-                    "no such tensor"
-                )
-            ndim, shape = len(entry.shape), torch.Size(entry.shape)
-            props = properties.get(entry.dtype) or properties.setdefault(
-                entry.dtype, TensorProperties(dtype=entry.dtype)
+        state, storage = load_metadata(
+            weight_map, headers, checksums, verify=self.verify, url_of=self._url
+        )
+        if self.dequantize is not None:
+            assert self._ranges is not None
+            config = self._ranges.retried(
+                lambda: read_config(self.fs, self.root),
+                operation="read config.json of",
+                url=fsio.url_of(self.fs, self.root),
             )
-            if ndim not in zeros:
-                zeros[ndim] = torch.Size([0] * ndim)
-            origin = zeros[ndim]
-            state[key] = TensorStorageMetadata(props, shape, [ChunkStorageMetadata(origin, shape)])
-            crc = checksums.get(key) if checksums is not None else None
-            if self.verify and crc is None:
-                raise ValueError(
-                    f"{self._url(INDEX_NAME)}: verify=True, but the index records no checksum for "
-                    f"{key!r}"
-                )
-            # Keyed by name: each tensor is one chunk at the origin, so the name says which.
-            storage[key] = _Stored(
-                file, data_start + entry.begin, entry.dtype, entry.shape, key, crc
-            )
+            dequantize(state, storage, self.dequantize, block_size_of(config, self.block_size))
         self.storage_data = storage
         return Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
 
@@ -296,10 +293,12 @@ class HFStorageReader(StorageReader):
         assert self._ranges is not None
         reads = KeptReads(self._ranges.open_reads(self.direct_io), self._heads)
 
-        def fill(stored: _Stored, runs: Iterable[tuple[int, int, int]], view: memoryview) -> None:
+        def fill(stored: Stored, runs: Iterable[tuple[int, int, int]], view: memoryview) -> None:
             reads.read_runs(fsio.join(self.root, stored.file), stored.start, list(runs), view)
 
         try:
+            self.load_stats = LoadStats()
+            decoders = self._decoders(items, reads)
             if self.verify:
                 by_tensor: dict[MetadataIndex, list[ReadItem]] = {}
                 for item in items:
@@ -307,7 +306,8 @@ class HFStorageReader(StorageReader):
 
                 def verified(items: list[ReadItem]) -> None:
                     stored = self.storage_data[items[0].storage_index.fqn]
-                    read_verified(items, stored, planner, fill, self._url(stored.file))
+                    decoder = decoders.get(stored.key)
+                    read_verified(items, stored, planner, fill, self._url(stored.file), decoder)
 
                 parallel_map(
                     verified,
@@ -315,7 +315,6 @@ class HFStorageReader(StorageReader):
                     self.thread_count,
                 )
             else:
-                self.load_stats = LoadStats()
                 read_items(
                     items,
                     planner,
@@ -327,6 +326,7 @@ class HFStorageReader(StorageReader):
                     threads=self.thread_count,
                     buffer_size=self.buffer_size,
                     stats=self.load_stats,
+                    decoders=decoders,
                 )
                 self.load_stats.bytes_kept = reads.served
         finally:
@@ -338,14 +338,38 @@ class HFStorageReader(StorageReader):
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _slab_bytes(self, stored: _Stored, item: ReadItem) -> int:
+    def _decoders(self, items: Sequence[ReadItem], reads: Reads) -> dict[str, Dequantizer]:
+        """(``dequantize``) A decoder for each quantized weight ``items`` read, with its scales,
+        all read in one batch (``reading.read_scales``)."""
+        quant = {
+            key: stored.quant
+            for item in items
+            if (stored := self.storage_data[key := item.storage_index.fqn]).quant is not None
+        }
+        if not quant:
+            return {}
+        assert self.dequantize is not None
+        scales = read_scales(
+            {key: q.scale_key for key, q in quant.items()},
+            self.storage_data.__getitem__,
+            lambda file: fsio.join(self.root, file),
+            reads,
+            threads=self.thread_count,
+            buffer_size=self.buffer_size,
+            stats=self.load_stats,
+            url_of=self._url if self.verify else None,
+        )
+        return {k: Dequantizer(q, scales[q.scale_key], self.dequantize) for k, q in quant.items()}
+
+    def _slab_bytes(self, stored: Stored, item: ReadItem) -> int:
         """Bytes of destination per slab: ``SLAB_BYTES``, less where a remote read fetches whole
         rows for a part of each (a column shard whose gaps ``coalesce`` reads), so that what one
         slab fetches, and holds in memory, stays about ``SLAB_BYTES`` whatever the world size."""
         assert self._ranges is not None
-        if not self._ranges.coalesces or len(stored.shape) < 2:
+        shape = stored.shape if stored.quant is None else stored.quant.shape  # item.lengths' frame
+        if not self._ranges.coalesces or len(shape) < 2:
             return SLAB_BYTES
-        wanted, full = math.prod(item.lengths[1:]), math.prod(stored.shape[1:])
+        wanted, full = math.prod(item.lengths[1:]), math.prod(shape[1:])
         if wanted == full or (full - wanted) * element_size(stored.dtype) > READ_GAP_BYTES:
             return SLAB_BYTES
         return max(1, SLAB_BYTES * wanted // max(full, 1))

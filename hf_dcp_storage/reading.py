@@ -14,7 +14,7 @@ committed once its last slab is in.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from .format.crc import crc32_of
 from .format.geometry import chunk_runs, element_size
+from .io.dequantizing import Dequantizer
 from .io.hostbuf import HostBuffers
 from .io.parallel import parallel_map
 from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
@@ -35,6 +36,7 @@ __all__ = [
     "LoadStats",
     "check_buffer_size",
     "read_items",
+    "read_scales",
     "read_verified",
     "request_budget",
 ]
@@ -77,10 +79,12 @@ def read_verified(
     planner: LoadPlanner,
     fill: Callable[[C, list[tuple[int, int, int]], memoryview], None],
     url: str,
+    decoder: Dequantizer | None = None,
 ) -> None:
     """(each rank, with ``verify``) Read one whole tensor slab by slab (``fill(stored, runs,
     view)``), check its CRC32, and fill every region ``items`` ask for; the regions are committed
-    only after the check passes.
+    only after the check passes. A quantized tensor (``decoder``) is held whole until then, and
+    its regions dequantized from it.
 
     Raises:
         ValueError: the bytes read fail the checksum, naming ``url`` (the tensor's file) and key.
@@ -89,9 +93,14 @@ def read_verified(
     itemsize = element_size(stored.dtype)
     row_bytes = math.prod(stored.shape[1:]) * itemsize
     crc = 0
+    whole = torch.empty(stored.shape, dtype=stored.dtype) if decoder is not None else None
     for r0, r1 in slab_bounds(stored.shape, itemsize):
         rows = stored.shape and (r1 - r0,)
-        buf = torch.empty((*rows, *stored.shape[1:]), dtype=stored.dtype)
+        buf = (
+            torch.empty((*rows, *stored.shape[1:]), dtype=stored.dtype)
+            if whole is None
+            else whole[r0:r1]
+        )
         view = buf.reshape(-1).view(torch.uint8).numpy().data.cast("B")
         fill(
             stored,
@@ -99,7 +108,7 @@ def read_verified(
             view,
         )
         crc = crc32_of(view, crc)
-        for item, target in targets:
+        for item, target in targets if whole is None else ():
             if not stored.shape:
                 target.copy_(buf)
                 continue
@@ -110,13 +119,12 @@ def read_verified(
                 for d in range(1, len(stored.shape)):
                     src = src.narrow(d, item.storage_offsets[d], item.lengths[d])
                 target[a - o0 : b - o0].copy_(src)
-    if crc != stored.crc:
-        raise ValueError(
-            f"{url}: tensor {stored.key!r} fails its checksum (crc32 of the bytes read "
-            f"{crc:08x}, the index records {stored.crc:08x}); the file is corrupt: restore it "
-            "from a copy or re-save"
-        )
+    _check_crc(stored, crc, url)
     for item, target in targets:
+        if decoder is not None and whole is not None:
+            offsets, sizes = decoder.stored_region(item.storage_offsets, item.lengths)
+            region = whole[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))]
+            decoder.finish(region, item.storage_offsets, item.lengths, target)
         planner.commit_tensor(item, target)
 
 
@@ -148,6 +156,9 @@ class _Slab:
     dtype: torch.dtype  # as stored
     nbytes: int
     raw: bool  # the destination takes the stored bytes as they are
+    # A quantized tensor's slab: the decoder, and the slab's region of the dequantized tensor
+    # (offsets, sizes); the view holds the stored region it comes from.
+    decode: tuple[Dequantizer, list[int], list[int]] | None = None
 
 
 def request_budget(buffer_size: int) -> tuple[int, int, int]:
@@ -170,12 +181,15 @@ def read_items(
     threads: int,
     buffer_size: int,
     stats: LoadStats,
+    decoders: Mapping[str, Dequantizer] | None = None,
 ) -> None:
     """(each rank) Read every item into ``planner``'s tensors and commit it.
 
     ``stored_of(item)``: where its tensor's bytes are; ``path_of(file)``: that file's path;
     ``slab_bytes``: bytes of destination per slab; ``host(dest)``: the pool of host buffers for
-    slabs that do not take raw bytes (``count x nbytes`` is the most a batch takes of it).
+    slabs that do not take raw bytes (``count x nbytes`` is the most a batch takes of it);
+    ``decoders``: the quantized tensors by key, whose slabs are read as stored into host memory
+    and dequantized into their destinations.
 
     Raises:
         ValueError: a destination region whose shape is not the one requested; a file shorter
@@ -225,7 +239,10 @@ def read_items(
         batch.clear()
 
     try:
-        for slab in _slabs(items, planner, stored_of, path_of, slab_bytes, targets, left):
+        slabs = _slabs(
+            items, planner, stored_of, path_of, slab_bytes, targets, left, decoders or {}
+        )
+        for slab in slabs:
             stats.bytes_wanted += sum(n for _, _, n in slab.runs)
             if slab.raw:
                 view = slab.dest.reshape(-1).view(torch.uint8).numpy().data.cast("B")
@@ -253,6 +270,7 @@ def _slabs(
     slab_bytes: Callable[[S, ReadItem], int],
     targets: dict[int, torch.Tensor],
     left: dict[int, int],
+    decoders: Mapping[str, Dequantizer],
 ) -> Iterator[_Slab]:
     """Every item's slabs, items in file order (by file, then where the tensor and its region
     start), each item's destination resolved as its first slab is made."""
@@ -272,19 +290,25 @@ def _slabs(
         itemsize = element_size(where.dtype)
         bounds = list(slab_bounds(item.lengths, itemsize, slab_bytes(where, item)))
         targets[i], left[i] = target, len(bounds)
+        decoder = decoders.get(item.storage_index.fqn)
         for r0, r1 in bounds:
             offsets, sizes = sub_chunk(item.storage_offsets, item.lengths, r0, r1)
             dest = target[r0:r1] if item.lengths else target
-            raw = dest.dtype == where.dtype and dest.is_contiguous() and dest.device.type == "cpu"
+            if decoder is None:
+                at, size = offsets, sizes
+                raw = dest.dtype == where.dtype and dest.is_contiguous() and dest.is_cpu
+            else:  # read the stored region the slab dequantizes from
+                (at, size), raw = decoder.stored_region(offsets, sizes), False
             yield _Slab(
                 i,
                 path_of(where.file),
                 where.start,
-                list(chunk_runs(where.shape, offsets, sizes, itemsize)),
+                list(chunk_runs(where.shape, at, size, itemsize)),
                 dest,
                 where.dtype,
-                math.prod(sizes) * itemsize,
+                math.prod(size) * itemsize,
                 raw,
+                None if decoder is None else (decoder, offsets, sizes),
             )
 
 
@@ -294,6 +318,13 @@ def _finish(slab_view: tuple[_Slab, memoryview]) -> None:
     slab, view = slab_view
     if not slab.nbytes:
         return  # an empty region: nothing to copy (and no buffer to view)
+    if slab.decode is not None:
+        decoder, offsets, sizes = slab.decode
+        stored = torch.frombuffer(view, dtype=slab.dtype)
+        decoder.finish(
+            stored.view(decoder.stored_region(offsets, sizes)[1]), offsets, sizes, slab.dest
+        )
+        return
     host = torch.frombuffer(view, dtype=slab.dtype).view(slab.dest.shape)
     if slab.dest.device.type == "cuda":
         if slab.dest.dtype == slab.dtype:
@@ -302,6 +333,56 @@ def _finish(slab_view: tuple[_Slab, memoryview]) -> None:
             slab.dest.copy_(host.to(slab.dest.device, non_blocking=True))
     else:
         slab.dest.copy_(host)
+
+
+def read_scales(
+    decoding: Mapping[str, str],
+    stored_of: Callable[[str], C],
+    path_of: Callable[[str], str],
+    reads: Reads,
+    *,
+    threads: int,
+    buffer_size: int,
+    stats: LoadStats,
+    url_of: Callable[[str], str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """(each rank) Read the scales of a load's quantized weights, whole, in one batch before the
+    weights: ``decoding`` maps each weight's key to its scales' key, ``stored_of(key)`` says where
+    a tensor's bytes are. Returns ``{scale key: tensor}``. With ``url_of`` (``verify``), each is
+    checked against its CRC32.
+
+    Raises:
+        ValueError: (with ``url_of``) a scale tensor fails its checksum, naming its file and key.
+    """
+    _, in_flight, request_bytes = request_budget(buffer_size)
+    scales: dict[str, torch.Tensor] = {}
+    slabs: list[SlabRead] = []
+    for key in sorted(set(decoding.values())):
+        where = stored_of(key)
+        scales[key] = tensor = torch.empty(where.shape, dtype=where.dtype)
+        view = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        if len(view):
+            slabs.append((path_of(where.file), where.start, [(0, 0, len(view))], view))
+    if slabs:
+        requests, nbytes = reads.read_batch(
+            slabs, threads=threads, in_flight=in_flight, request_bytes=request_bytes
+        )
+        stats.requests, stats.bytes_read = stats.requests + requests, stats.bytes_read + nbytes
+    for key, tensor in scales.items():
+        if url_of is not None:
+            where = stored_of(key)
+            crc = crc32_of(tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
+            _check_crc(where, crc, url_of(where.file))
+    return scales
+
+
+def _check_crc(stored: CheckedTensor, crc: int, url: str) -> None:
+    if crc != stored.crc:
+        raise ValueError(
+            f"{url}: tensor {stored.key!r} fails its checksum (crc32 of the bytes read "
+            f"{crc:08x}, the index records {stored.crc:08x}); the file is corrupt: restore it "
+            "from a copy or re-save"
+        )
 
 
 def check_buffer_size(buffer_size: int | str) -> int:

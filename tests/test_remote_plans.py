@@ -226,7 +226,8 @@ def test_remote_column_shard_slabs_fetch_about_16_mib_whatever_the_world_size() 
     from types import SimpleNamespace
 
     from hf_dcp_storage.io.slabs import SLAB_BYTES, slab_bounds
-    from hf_dcp_storage.reader import HFStorageReader, _Stored
+    from hf_dcp_storage.plan.loadmeta import Stored as _Stored
+    from hf_dcp_storage.reader import HFStorageReader
 
     stored = _Stored("f.safetensors", 0, torch.bfloat16, (16384, 4096))
     remote, local = HFStorageReader("memory://x/ck"), HFStorageReader("/tmp/ck")

@@ -49,15 +49,20 @@ FP4_VALUES = (
 
 
 def fp8_scale_blocks(
-    offsets: Sequence[int], lengths: Sequence[int], block: int
+    offsets: Sequence[int], lengths: Sequence[int], block: int | Sequence[int]
 ) -> tuple[slice, slice]:
     """The rows and columns of ``weight_scale_inv`` that the weight slice at ``offsets`` of
-    ``lengths`` (2-D) needs."""
+    ``lengths`` (2-D) needs; ``block``: rows x columns a scale covers (one int: square)."""
     (r0, c0), (nr, nc) = offsets, lengths
+    br, bc = _pair(block)
     return (
-        slice(r0 // block, (r0 + max(nr, 1) - 1) // block + 1),
-        slice(c0 // block, (c0 + max(nc, 1) - 1) // block + 1),
+        slice(r0 // br, (r0 + max(nr, 1) - 1) // br + 1),
+        slice(c0 // bc, (c0 + max(nc, 1) - 1) // bc + 1),
     )
+
+
+def _pair(block: int | Sequence[int]) -> tuple[int, int]:
+    return (block, block) if isinstance(block, int) else (int(block[0]), int(block[1]))
 
 
 def fp8_block_dequantize(
@@ -65,13 +70,16 @@ def fp8_block_dequantize(
     scale_inv: torch.Tensor,
     offsets: Sequence[int],
     *,
-    block: int = 128,
+    block: int | Sequence[int] = 128,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The slice ``weight`` (FP8, 2-D, its first element at ``offsets`` of the full weight)
     dequantized into ``dtype``; ``scale_inv``: the scale blocks it needs (``fp8_scale_blocks``),
-    not the whole scale tensor. A Python step per block row (28 for a 3,584-row slice; torch's
-    reader takes one per block, 448 there), 2.5-3.5x the reader's throughput on one thread.
+    not the whole scale tensor; ``block``: rows x columns a scale covers. Written into ``out``
+    where given (a CPU tensor of ``dtype`` and the slice's shape, any strides), else a new tensor.
+    A Python step per block row (28 for a 3,584-row slice; torch's reader takes one per block,
+    448 there), 2.5-3.5x the reader's throughput on one thread.
 
     Raises:
         ValueError: ``weight`` is not 2-D, or ``scale_inv`` does not cover it.
@@ -81,25 +89,26 @@ def fp8_block_dequantize(
             f"FP8 block-wise weights and scales are 2-D; got {list(weight.shape)} and "
             f"{list(scale_inv.shape)}"
         )
-    r0, c0 = offsets
+    (br, bc), (r0, c0) = _pair(block), offsets
     nr, nc = weight.shape
-    need = fp8_scale_blocks((0, c0 % block), (r0 % block + nr, nc), block)
+    need = fp8_scale_blocks((0, c0 % bc), (r0 % br + nr, nc), (br, bc))
     if nr and nc and (need[0].stop > scale_inv.shape[0] or need[1].stop > scale_inv.shape[1]):
         raise ValueError(
             f"weight_scale_inv blocks {list(scale_inv.shape)} do not cover the weight slice "
-            f"{list(weight.shape)} at {list(offsets)} in {block} x {block} blocks"
+            f"{list(weight.shape)} at {list(offsets)} in {br} x {bc} blocks"
         )
-    out = torch.empty(nr, nc, dtype=dtype)
+    if out is None:
+        out = torch.empty(nr, nc, dtype=dtype)
     if not nr or not nc:
         return out
     # A block row at a time: its scales spread along the columns as one row vector that
     # broadcasts over the block's rows (no scale per element is ever materialised). float32(w)
     # times the scale (promoted to float32 where it is narrower), then the cast: the operations
     # of torch's reader, elementwise, so the same bits.
-    skip = c0 % block
-    starts = [0, *range(block - r0 % block, nr, block)]  # each block row's first row in the slice
+    skip = c0 % bc
+    starts = [0, *range(br - r0 % br, nr, br)]  # each block row's first row in the slice
     for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
-        row = scale_inv[i].repeat_interleave(block)[skip : skip + nc]
+        row = scale_inv[i].repeat_interleave(bc)[skip : skip + nc]
         out[a:b] = weight[a:b].to(torch.float32) * row
     return out
 

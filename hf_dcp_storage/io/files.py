@@ -15,15 +15,20 @@ from fsspec import AbstractFileSystem
 
 from ..format.header import TensorEntry, decode_header, header_length
 from ..format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index, recorded_headers
+from ..format.strictjson import loads_strict
 from . import fsio
 
+CONFIG_NAME = "config.json"
+
 __all__ = [
+    "CONFIG_NAME",
     "HEADER_PREFIX",
     "HEADER_PROBE",
     "Folder",
     "Head",
     "ReadRange",
     "load_weight_map",
+    "read_config",
     "read_head",
     "read_header",
     "read_index",
@@ -79,6 +84,29 @@ def read_index(fs: AbstractFileSystem, root: str) -> bytes | None:
         return fsio.read_all(fs, fsio.join(root, INDEX_NAME))
     except FileNotFoundError:
         return None
+
+
+def read_config(fs: AbstractFileSystem, root: str) -> dict[str, Any] | None:
+    """The folder's ``config.json`` as a dict, or ``None`` if it has none.
+
+    Raises:
+        ValueError: a ``config.json`` that is not a JSON object, naming it.
+    """
+    try:
+        raw = fsio.read_all(fs, fsio.join(root, CONFIG_NAME))
+    except FileNotFoundError:
+        return None
+    url = fsio.url_of(fs, fsio.join(root, CONFIG_NAME))
+
+    def invalid(exc: Exception | None = None) -> ValueError:
+        return ValueError(f"{url}: not a JSON object ({exc or 'another value'}); fix or remove it")
+
+    config = loads_strict(
+        raw, duplicate=lambda name: invalid(ValueError(f"{name!r} twice")), invalid=invalid
+    )
+    if not isinstance(config, dict):
+        raise invalid()
+    return config
 
 
 def read_header(
