@@ -134,12 +134,10 @@ class HFStorageReader(StorageReader):
         block_size: int | tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        if dequantize is not None and not (
-            isinstance(dequantize, torch.dtype) and dequantize.is_floating_point
-        ):
+        if dequantize not in (None, torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(
-                f"dequantize={dequantize!r}: give the floating dtype to dequantize into "
-                "(torch.bfloat16, torch.float32), or None to load tensors as stored"
+                f"dequantize={dequantize!r}: give the dtype to dequantize into (torch.bfloat16, "
+                "torch.float16 or torch.float32), or None to load tensors as stored"
             )
         self.dequantize, self.block_size = dequantize, block_size
         self.storage_options = storage_options

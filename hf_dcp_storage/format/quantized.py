@@ -15,8 +15,10 @@ rank reads and dequantizes only the blocks its slice touches. Pure: tensors in, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -48,6 +50,10 @@ FP4_VALUES = (
 )
 
 
+# Integer dtypes that view a float dtype's (or a pair's) bits, by size in bytes.
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def fp8_scale_blocks(
     offsets: Sequence[int], lengths: Sequence[int], block: int | Sequence[int]
 ) -> tuple[slice, slice]:
@@ -77,9 +83,13 @@ def fp8_block_dequantize(
     """The slice ``weight`` (FP8, 2-D, its first element at ``offsets`` of the full weight)
     dequantized into ``dtype``; ``scale_inv``: the scale blocks it needs (``fp8_scale_blocks``),
     not the whole scale tensor; ``block``: rows x columns a scale covers. Written into ``out``
-    where given (a CPU tensor of ``dtype`` and the slice's shape, any strides), else a new tensor.
-    A Python step per block row (28 for a 3,584-row slice; torch's reader takes one per block,
-    448 there), 2.5-3.5x the reader's throughput on one thread.
+    where given (a CPU tensor of ``dtype`` and the slice's shape), else into a new tensor.
+
+    Within a block every element is ``dtype(float32(code) * float32(scale))`` of its 8-bit code,
+    so each block's 256 results are computed once (the reader's operations, hence its bits) and
+    the elements looked up: one indexed copy per element (``np.take``, which releases the GIL),
+    a Python step per block row. ~0.8 G elements/s on one thread, 4-5x converting every element
+    to float32 as torch's reader does (whose float8 conversion alone is ~0.2 G/s here).
 
     Raises:
         ValueError: ``weight`` is not 2-D, or ``scale_inv`` does not cover it.
@@ -97,20 +107,43 @@ def fp8_block_dequantize(
             f"weight_scale_inv blocks {list(scale_inv.shape)} do not cover the weight slice "
             f"{list(weight.shape)} at {list(offsets)} in {br} x {bc} blocks"
         )
-    if out is None:
-        out = torch.empty(nr, nc, dtype=dtype)
-    if not nr or not nc:
+    direct = out is not None and out.is_contiguous() and out.dtype == dtype
+    result = out if direct else torch.empty(nr, nc, dtype=dtype)
+    assert result is not None
+    if nr and nc:
+        _fp8_lookup(weight, scale_inv, (r0 % br, c0 % bc), (br, bc), result)
+    if out is not None and not direct:
+        out.copy_(result)
         return out
-    # A block row at a time: its scales spread along the columns as one row vector that
-    # broadcasts over the block's rows (no scale per element is ever materialised). float32(w)
-    # times the scale (promoted to float32 where it is narrower), then the cast: the operations
-    # of torch's reader, elementwise, so the same bits.
-    skip = c0 % bc
-    starts = [0, *range(br - r0 % br, nr, br)]  # each block row's first row in the slice
+    return result
+
+
+def _fp8_lookup(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    skip: tuple[int, int],
+    block: tuple[int, int],
+    result: torch.Tensor,
+) -> None:
+    (br, bc), (nr, nc) = block, weight.shape
+    codes = torch.arange(256, dtype=torch.uint8).view(weight.dtype).to(torch.float32)
+    as_int = _INT_OF_SIZE[result.element_size()]
+    res = result.view(as_int).numpy()
+    stored = weight.contiguous().view(torch.uint8).numpy()
+    # Each column's offset into the block row's tables: 256 entries per block column.
+    blocks_across = scale_inv.shape[1]
+    index_dtype = np.uint16 if blocks_across * 256 <= 1 << 16 else np.int64
+    first = (skip[1] + np.arange(nc)) // bc
+    column_base = (first * 256).astype(index_dtype)
+    index = np.empty((min(br, nr), nc), dtype=index_dtype)
+    starts = [0, *range(br - skip[0], nr, br)]  # each block row's first row in the slice
     for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
-        row = scale_inv[i].repeat_interleave(bc)[skip : skip + nc]
-        out[a:b] = weight[a:b].to(torch.float32) * row
-    return out
+        # The reader's math for all 256 codes of each block of the row: float32 times the
+        # scale (promoted to float32 where narrower), cast to the dtype.
+        tables = (scale_inv[i, : first[-1] + 1, None].to(torch.float32) * codes).to(result.dtype)
+        np.add(stored[a:b], column_base, out=index[: b - a], dtype=index_dtype)
+        flat = tables.view(as_int).numpy().reshape(-1)
+        np.take(flat, index[: b - a], out=res[a:b], mode="clip")  # in range; "raise" buffers
 
 
 def mxfp4_groups(start: int, length: int, per_group: int) -> tuple[slice, int]:
@@ -123,10 +156,15 @@ def mxfp4_groups(start: int, length: int, per_group: int) -> tuple[slice, int]:
 
 
 def mxfp4_dequantize(
-    blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``blocks`` ``[..., G, B]`` (uint8) with their ``scales`` ``[..., G]`` (uint8, E8M0)
-    dequantized into ``[..., G * 2 * B]`` of ``dtype``.
+    dequantized into ``[..., G * 2 * B]`` of ``dtype``: into ``out`` where given (a contiguous
+    CPU tensor of ``dtype`` and that shape), else into a new tensor.
 
     Raises:
         ValueError: the scales' shape is not the blocks' less their last dimension.
@@ -137,9 +175,35 @@ def mxfp4_dequantize(
             "scale a group)"
         )
     *prefix, groups, width = blocks.shape
+    # One lookup per byte: (scale, byte) -> its two values, both already scaled; the table's
+    # 65,536 pairs come from the reader's own operations (the E2M1 values in ``dtype``, then
+    # ``ldexp`` into ``dtype``), so each element has the reader's bits.
+    table = _mxfp4_table(dtype)
+    pair_int = _INT_OF_SIZE[2 * torch.empty((), dtype=dtype).element_size()]
+    rows = np.multiply(scales.contiguous().numpy(), 256, dtype=np.uint16)  # a group's table
+    index = np.add(blocks.contiguous().numpy(), rows[..., None], dtype=np.uint16)
+    shape = (*prefix, groups * 2 * width)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out is {list(out.shape)} {out.dtype}; MXFP4 blocks {list(blocks.shape)} need a "
+            f"contiguous {list(shape)} of {dtype}"
+        )
+    # mode="clip": every index is in range, and "raise" would buffer the whole output first.
+    view = out.view(pair_int).view(*prefix, groups, width).numpy()
+    np.take(table, index, out=view, mode="clip")
+    return out
+
+
+@functools.cache
+def _mxfp4_table(dtype: torch.dtype) -> np.ndarray:
+    """``[scale * 256 + byte] -> (low value, high value)`` in ``dtype``, as one integer each."""
     lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    out = torch.empty(*prefix, groups, 2 * width, dtype=dtype)
-    out[..., 0::2] = lut[(blocks & 0x0F).long()]
-    out[..., 1::2] = lut[(blocks >> 4).long()]
-    torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1), out=out)
-    return out.reshape(*prefix, groups * 2 * width)
+    byte = torch.arange(256)
+    pairs = torch.stack([lut[byte & 0x0F], lut[byte >> 4]], dim=-1)  # [256, 2]
+    exponents = torch.arange(256, dtype=torch.int32).sub(127).view(256, 1, 1)
+    table = torch.empty(256, 256, 2, dtype=dtype)
+    torch.ldexp(pairs.expand(256, 256, 2), exponents, out=table)
+    pair_int = _INT_OF_SIZE[2 * table.element_size()]
+    return table.view(pair_int).reshape(-1).numpy()

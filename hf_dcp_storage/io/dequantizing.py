@@ -57,14 +57,11 @@ class Dequantizer:
             return
         if self.quant.kind == "fp8_block":
             rows, cols = fp8_scale_blocks(offsets, sizes, self.quant.block)
-            direct = dest.dtype == self.dtype and dest.device.type == "cpu"
+            scales = self.scales[rows, cols]
+            direct = self._direct(dest)
+            out = dest if direct else None
             out = fp8_block_dequantize(
-                raw,
-                self.scales[rows, cols],
-                offsets,
-                block=self.quant.block,
-                dtype=self.dtype,
-                out=dest if direct else None,
+                raw, scales, offsets, block=self.quant.block, dtype=self.dtype, out=out
             )
             if not direct:
                 dest.copy_(out)
@@ -72,5 +69,13 @@ class Dequantizer:
         groups, skip = mxfp4_groups(offsets[-1], sizes[-1], self.quant.block[1])
         region = [slice(o, o + n) for o, n in zip(offsets[:-1], sizes[:-1], strict=True)]
         region.append(groups)
-        values = mxfp4_dequantize(raw, self.scales[tuple(region)], dtype=self.dtype)
+        scales = self.scales[tuple(region)]
+        if skip == 0 and raw.shape[-2] * raw.shape[-1] * 2 == sizes[-1] and self._direct(dest):
+            mxfp4_dequantize(raw, scales, dtype=self.dtype, out=dest)  # whole groups, in place
+            return
+        values = mxfp4_dequantize(raw, scales, dtype=self.dtype)
         dest.copy_(values[..., skip : skip + sizes[-1]])
+
+    def _direct(self, dest: torch.Tensor) -> bool:
+        """Whether values can be written straight into ``dest``."""
+        return dest.dtype == self.dtype and dest.is_cpu and dest.is_contiguous()
