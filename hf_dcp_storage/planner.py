@@ -13,7 +13,19 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
+
+from .format.quantscheme import block_size_of
+from .plan.fp8export import (
+    CONFIG_KEY,
+    EXPORT_KEYS,
+    PARTS_KEY,
+    Fp8Export,
+    QuantizeFilter,
+    agree,
+    default_filter,
+    quantization_config,
+)
 
 __all__ = ["HFLoadPlanner", "HFSavePlanner", "KeyMapping"]
 
@@ -65,6 +77,16 @@ class HFSavePlanner(DefaultSavePlanner):
         save_dtype: floating-point tensors are stored in this dtype (e.g. ``torch.bfloat16``);
             integer and bool tensors keep theirs. The writer casts slab by slab, so no full
             copy of a tensor is ever made.
+        quantize: ``"fp8_block"``: save the chosen weights as DeepSeek-V3's FP8 checkpoints
+            hold them (``float8_e4m3fn`` and a float32 ``<key>_scale_inv`` per block), each
+            rank quantizing its own shard, the amax of a block that shards cut agreed between
+            the ranks holding it: the files equal one process quantizing the whole tensors
+            (``format/quantized.fp8_block_quantize``), bit for bit. The writer adds the
+            ``quantization_config`` to a ``config.json`` companion (``plan/fp8export.py``).
+        quantize_block: rows x columns per scale (an int: square); default 128.
+        quantize_filter: ``(HF key, shape) -> bool``, which tensors to quantize; by default 2-D
+            ``*.weight`` tensors but embeddings, norms, the router (``gate``) and ``lm_head``
+            (``plan/fp8export.default_filter``). Tensors in FP8 already, or not floating, never.
         **kwargs: passed to :class:`DefaultSavePlanner`.
     """
 
@@ -72,6 +94,10 @@ class HFSavePlanner(DefaultSavePlanner):
         self,
         key_mapping: KeyMapping | None = None,
         save_dtype: torch.dtype | None = None,
+        *,
+        quantize: str | None = None,
+        quantize_block: int | tuple[int, int] = 128,
+        quantize_filter: QuantizeFilter | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -83,8 +109,13 @@ class HFSavePlanner(DefaultSavePlanner):
                 f"save_dtype={save_dtype!r} must be a floating-point torch.dtype such as "
                 "torch.bfloat16"
             )
+        if quantize not in (None, "fp8_block"):
+            raise ValueError(f"quantize={quantize!r}: the one export is 'fp8_block' (or None)")
         self.key_mapping = key_mapping
         self.save_dtype = save_dtype
+        self.quantize, self.quantize_block = quantize, block_size_of(None, quantize_block)
+        self.quantize_filter = quantize_filter or default_filter
+        self._export: Fp8Export | None = None
 
     def set_up_planner(
         self,
@@ -100,36 +131,65 @@ class HFSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        if self.save_dtype is None:
-            return plan
-        items = []
-        for item in plan.items:
-            td = item.tensor_data
-            if (
-                td is not None
-                and td.properties.dtype.is_floating_point
-                and td.properties.dtype != self.save_dtype
-            ):
-                props = dataclasses.replace(td.properties, dtype=self.save_dtype)
-                cast = dataclasses.replace(td, properties=props)
-                items.append(dataclasses.replace(item, tensor_data=cast))
-            else:
-                items.append(item)
+        items = [self._cast(item) for item in plan.items]
+        if self.quantize is not None:
+            # Quantized from the state dict's own values (not from a save_dtype cast).
+            self._export = Fp8Export(self.quantize_block, self.quantize_filter)
+            original = super().resolve_data
+            items, parts = self._export.local(items, original)
+            data = {**(plan.planner_data or {}), PARTS_KEY: parts}
+            plan = dataclasses.replace(plan, planner_data=data)
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
+
+    def _cast(self, item: WriteItem) -> WriteItem:
+        td = item.tensor_data
+        if (
+            self.save_dtype is None
+            or td is None
+            or not td.properties.dtype.is_floating_point
+            or td.properties.dtype == self.save_dtype
+        ):
+            return item
+        props = dataclasses.replace(td.properties, dtype=self.save_dtype)
+        return dataclasses.replace(item, tensor_data=dataclasses.replace(td, properties=props))
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         # A collision can also span ranks (fqn A on one rank, fqn B on another, same HF key).
         origin: dict[str, tuple[Any, ...]] = {}
         for plan in all_plans:
             for key, path in (plan.planner_data or {}).items():
+                if key in EXPORT_KEYS:
+                    continue
                 if origin.setdefault(key, tuple(path)) != tuple(path):
                     raise ValueError(
                         f"key_mapping maps both {'.'.join(map(str, origin[key]))!r} and "
                         f"{'.'.join(map(str, path))!r} (on different ranks) to {key!r}; fix the "
                         "mapping"
                     )
-        return super().create_global_plan(all_plans)
+        plans, metadata = super().create_global_plan(all_plans)
+        if self.quantize is None:
+            return plans, metadata
+        # Every rank gets back the whole amax of each block it holds a part of, and the writer
+        # the quantization_config for config.json.
+        agreed = agree([(p.planner_data or {}).get(PARTS_KEY) for p in all_plans])
+        config = quantization_config(self.quantize_block)
+        plans = [
+            dataclasses.replace(p, planner_data={PARTS_KEY: a, CONFIG_KEY: config})
+            for p, a in zip(plans, agreed, strict=True)
+        ]
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if self._export is not None:
+            self._export.agreed((new_plan.planner_data or {}).get(PARTS_KEY))
+        return super().finish_plan(new_plan)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        made = (
+            None if self._export is None else self._export.resolve(write_item, super().resolve_data)
+        )
+        return super().resolve_data(write_item) if made is None else made
 
 
 class HFLoadPlanner(DefaultLoadPlanner):

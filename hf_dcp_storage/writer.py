@@ -25,7 +25,8 @@ from .io.direct import check_direct_io
 from .io.hostbuf import KeptHostBuffers
 from .io.items import item_slabs
 from .io.parallel import check_thread_count
-from .plan.compact import LocalChunks, encode_local, plan_save
+from .plan.compact import LocalChunks, encode_local, plan_save, planner_data_to_send
+from .plan.fp8export import export_config
 from .plan.layout import Layout, parse_size, whole_tensor_metadata
 from .plan.rankplan import (
     RankPlan,
@@ -276,16 +277,8 @@ class HFStorageWriter(StorageWriter):
         """
         check_savable(plan.items)
         self._local = (list(plan.items), encode_local(plan.items))
-        planner_data = plan.planner_data
-        if isinstance(planner_data, Mapping) and all(
-            tuple(path) == (key,) for key, path in planner_data.items()
-        ):
-            # DCP's flattening map of a flat state dict (each key to itself) says nothing, and
-            # gathered from thousands of ranks it would cost the coordinator GiBs.
-            planner_data = {}
-        return dataclasses.replace(
-            plan, items=[], storage_data=self._local[1], planner_data=planner_data
-        )
+        data = planner_data_to_send(plan.planner_data)
+        return dataclasses.replace(plan, items=[], storage_data=self._local[1], planner_data=data)
 
     @released_on_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -315,7 +308,7 @@ class HFStorageWriter(StorageWriter):
         self._layout = layout
         # Step 2: I/O, before any rank writes (companions read first: a missing one writes nothing).
         self._save_id = store.save_id = uuid.uuid4().hex
-        extra = read_companions(self.companions, self.storage_options)
+        extra = read_companions(self.companions, self.storage_options, export_config(plans))
         coordinator.prepare(store, layout, len(plans), overwrite=self.overwrite, companions=extra)
         self._meets = meets(tasks)
         return rank_plans(

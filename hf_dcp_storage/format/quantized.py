@@ -1,4 +1,5 @@
-"""Dequantization of the quantized weights HF checkpoints ship, vectorized, for any slice:
+"""Dequantization of the quantized weights HF checkpoints ship, vectorized, for any slice, and
+FP8 block-wise quantization of a shard:
 
 * **FP8 block-wise** (DeepSeek-V3/R1): a ``float8_e4m3fn`` weight ``[rows, cols]`` and its
   ``weight_scale_inv`` ``[ceil(rows / b), ceil(cols / b)]`` (``b``: ``weight_block_size``, 128);
@@ -18,13 +19,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 __all__ = [
     "FP4_VALUES",
+    "FP8_AMAX_FLOOR",
+    "FP8_MAX",
+    "fp8_block_amax",
     "fp8_block_dequantize",
+    "fp8_block_quantize",
+    "fp8_block_quantize_with",
     "fp8_scale_blocks",
+    "fp8_scale_inv",
     "mxfp4_dequantize",
     "mxfp4_groups",
 ]
@@ -49,6 +55,11 @@ FP4_VALUES = (
     -6.0,
 )
 
+
+# float8_e4m3fn's largest value, and the least block amax quantization divides by (as DeepGEMM's
+# and vLLM's block casts clamp it): an all-zero block gets a finite scale and stays zero.
+FP8_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-4
 
 # Integer dtypes that view a float dtype's (or a pair's) bits, by size in bytes.
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -87,9 +98,9 @@ def fp8_block_dequantize(
 
     Within a block every element is ``dtype(float32(code) * float32(scale))`` of its 8-bit code,
     so each block's 256 results are computed once (the reader's operations, hence its bits) and
-    the elements looked up: one indexed copy per element (``np.take``, which releases the GIL),
-    a Python step per block row. ~0.8 G elements/s on one thread, 4-5x converting every element
-    to float32 as torch's reader does (whose float8 conversion alone is ~0.2 G/s here).
+    the elements looked up: one indexed copy per element (``index_select``), a Python step per
+    block row. ~1 G elements/s on one thread, 4-5x converting every element to float32 as
+    torch's reader does (whose float8 conversion alone is ~0.2 G/s here).
 
     Raises:
         ValueError: ``weight`` is not 2-D, or ``scale_inv`` does not cover it.
@@ -128,22 +139,20 @@ def _fp8_lookup(
     (br, bc), (nr, nc) = block, weight.shape
     codes = torch.arange(256, dtype=torch.uint8).view(weight.dtype).to(torch.float32)
     as_int = _INT_OF_SIZE[result.element_size()]
-    res = result.view(as_int).numpy()
-    stored = weight.contiguous().view(torch.uint8).numpy()
+    res = result.view(as_int)
+    stored = weight.contiguous().view(torch.uint8)
     # Each column's offset into the block row's tables: 256 entries per block column.
-    blocks_across = scale_inv.shape[1]
-    index_dtype = np.uint16 if blocks_across * 256 <= 1 << 16 else np.int64
-    first = (skip[1] + np.arange(nc)) // bc
-    column_base = (first * 256).astype(index_dtype)
-    index = np.empty((min(br, nr), nc), dtype=index_dtype)
+    first = torch.div(torch.arange(skip[1], skip[1] + nc), bc, rounding_mode="floor")
+    column_base = (first * 256).to(torch.int32)
+    index = torch.empty(min(br, nr), nc, dtype=torch.int32)
     starts = [0, *range(br - skip[0], nr, br)]  # each block row's first row in the slice
     for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
         # The reader's math for all 256 codes of each block of the row: float32 times the
         # scale (promoted to float32 where narrower), cast to the dtype.
-        tables = (scale_inv[i, : first[-1] + 1, None].to(torch.float32) * codes).to(result.dtype)
-        np.add(stored[a:b], column_base, out=index[: b - a], dtype=index_dtype)
-        flat = tables.view(as_int).numpy().reshape(-1)
-        np.take(flat, index[: b - a], out=res[a:b], mode="clip")  # in range; "raise" buffers
+        scales = scale_inv[i, : int(first[-1]) + 1, None].to(torch.float32)
+        tables = (scales * codes).to(result.dtype).view(as_int).reshape(-1)
+        torch.add(stored[a:b], column_base, out=index[: b - a])
+        torch.index_select(tables, 0, index[: b - a].view(-1), out=res[a:b].view(-1))
 
 
 def mxfp4_groups(start: int, length: int, per_group: int) -> tuple[slice, int]:
@@ -179,9 +188,7 @@ def mxfp4_dequantize(
     # 65,536 pairs come from the reader's own operations (the E2M1 values in ``dtype``, then
     # ``ldexp`` into ``dtype``), so each element has the reader's bits.
     table = _mxfp4_table(dtype)
-    pair_int = _INT_OF_SIZE[2 * torch.empty((), dtype=dtype).element_size()]
-    rows = np.multiply(scales.contiguous().numpy(), 256, dtype=np.uint16)  # a group's table
-    index = np.add(blocks.contiguous().numpy(), rows[..., None], dtype=np.uint16)
+    index = torch.mul(scales.to(torch.int32), 256).unsqueeze(-1).add(blocks)  # [..., G, B]
     shape = (*prefix, groups * 2 * width)
     if out is None:
         out = torch.empty(shape, dtype=dtype)
@@ -190,14 +197,13 @@ def mxfp4_dequantize(
             f"out is {list(out.shape)} {out.dtype}; MXFP4 blocks {list(blocks.shape)} need a "
             f"contiguous {list(shape)} of {dtype}"
         )
-    # mode="clip": every index is in range, and "raise" would buffer the whole output first.
-    view = out.view(pair_int).view(*prefix, groups, width).numpy()
-    np.take(table, index, out=view, mode="clip")
+    pairs = out.view(_INT_OF_SIZE[2 * out.element_size()]).view(-1)
+    torch.index_select(table, 0, index.view(-1), out=pairs)
     return out
 
 
 @functools.cache
-def _mxfp4_table(dtype: torch.dtype) -> np.ndarray:
+def _mxfp4_table(dtype: torch.dtype) -> torch.Tensor:
     """``[scale * 256 + byte] -> (low value, high value)`` in ``dtype``, as one integer each."""
     lut = torch.tensor(FP4_VALUES, dtype=dtype)
     byte = torch.arange(256)
@@ -206,4 +212,63 @@ def _mxfp4_table(dtype: torch.dtype) -> np.ndarray:
     table = torch.empty(256, 256, 2, dtype=dtype)
     torch.ldexp(pairs.expand(256, 256, 2), exponents, out=table)
     pair_int = _INT_OF_SIZE[2 * table.element_size()]
-    return table.view(pair_int).reshape(-1).numpy()
+    return table.view(pair_int).reshape(-1)
+
+
+def fp8_block_amax(
+    chunk: torch.Tensor, offsets: Sequence[int], block: int | Sequence[int] = 128
+) -> torch.Tensor:
+    """The largest ``|x|`` (float32) of each block the 2-D ``chunk`` at ``offsets`` touches
+    (``fp8_scale_blocks``' rows and columns): over the chunk's own elements only, so partial
+    for a block the chunk cuts; the max of the parts is the block's. A block row at a time."""
+    (br, bc), (r0, c0), (nr, nc) = _pair(block), offsets, chunk.shape
+    rows, cols = fp8_scale_blocks(offsets, chunk.shape, (br, bc))
+    amax = torch.zeros(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.float32)
+    if not nr or not nc:
+        return amax
+    skip = c0 % bc
+    padded = torch.zeros(min(br, nr), amax.shape[1] * bc, dtype=torch.float32)
+    starts = [0, *range(br - r0 % br, nr, br)]
+    for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
+        padded[: b - a, skip : skip + nc] = chunk[a:b].abs()
+        amax[i] = padded[: b - a].view(b - a, -1, bc).amax(dim=(0, 2))
+        padded[: b - a, skip : skip + nc] = 0
+    return amax
+
+
+def fp8_block_quantize_with(
+    chunk: torch.Tensor,
+    amax: torch.Tensor,
+    offsets: Sequence[int],
+    block: int | Sequence[int] = 128,
+) -> torch.Tensor:
+    """The 2-D ``chunk`` at ``offsets`` quantized to ``float8_e4m3fn`` with its blocks' ``amax``
+    (those it touches, ``fp8_block_amax``'s shape, each the whole block's): ``x * (448 / amax)``
+    in float32, then the cast; ``amax`` floored at ``FP8_AMAX_FLOOR`` (a zero block stays
+    zero). Every element depends on its value and its block's amax alone, so ranks quantizing
+    their shards with agreed amaxes give the bits of one process quantizing the whole tensor."""
+    (br, bc), (r0, c0), (nr, nc) = _pair(block), offsets, chunk.shape
+    factor = FP8_MAX / amax.clamp(min=FP8_AMAX_FLOOR)
+    out = torch.empty(nr, nc, dtype=torch.float8_e4m3fn)
+    skip = c0 % bc
+    starts = [0, *range(br - r0 % br, nr, br)]
+    for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
+        row = factor[i].repeat_interleave(bc)[skip : skip + nc]
+        out[a:b] = chunk[a:b].to(torch.float32) * row
+    return out
+
+
+def fp8_block_quantize(
+    weight: torch.Tensor, block: int | Sequence[int] = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process's block-wise FP8 quantization of a whole 2-D weight, as DeepSeek-V3's
+    checkpoints hold it: ``(float8_e4m3fn weight, float32 weight_scale_inv)``, ``scale_inv`` of
+    each block its ``max(amax, FP8_AMAX_FLOOR) / 448``, so that ``w * scale_inv`` is the weight
+    again (``fp8_block_dequantize``)."""
+    amax = fp8_block_amax(weight, (0, 0), block)
+    return fp8_block_quantize_with(weight, amax, (0, 0), block), fp8_scale_inv(amax)
+
+
+def fp8_scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """The ``weight_scale_inv`` of blocks of ``amax``."""
+    return amax.clamp(min=FP8_AMAX_FLOOR) / FP8_MAX

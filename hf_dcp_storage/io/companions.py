@@ -21,7 +21,13 @@ from typing import Any
 from ..format.index import INDEX_NAME, SHARD_NAME_RE, SINGLE_FILE_NAME
 from . import fsio
 
-__all__ = ["COMPANION_NAMES", "Companions", "check_companions", "read_companions"]
+__all__ = [
+    "COMPANION_NAMES",
+    "Companions",
+    "check_companions",
+    "read_companions",
+    "with_quantization_config",
+]
 
 # What a folder source contributes: the files ``transformers``' ``from_pretrained`` reads for a
 # model, its generation defaults, its tokenizer and its processor.
@@ -90,22 +96,28 @@ def check_companions(companions: Companions | None) -> Companions | None:
 
 
 def read_companions(
-    companions: Companions | None, storage_options: Mapping[str, Any] | None = None
+    companions: Companions | None,
+    storage_options: Mapping[str, Any] | None = None,
+    quantization: Mapping[str, Any] | None = None,
 ) -> dict[str, bytes]:
     """(coordinator) ``file name -> bytes`` of every companion file. A folder source is read with
     ``storage_options`` (the writer's; without them where its filesystem refuses them); a ``str``
     content is UTF-8 text, a dict is written as JSON (indented, as
-    ``transformers`` writes its configs), a path is a local file read whole.
+    ``transformers`` writes its configs), a path is a local file read whole. ``quantization``:
+    the ``quantization_config`` of weights the save quantizes, put into ``config.json``
+    (``with_quantization_config``).
 
     Raises:
         FileNotFoundError: a companion file, or a folder holding none of ``COMPANION_NAMES``,
             naming what was looked for.
+        ValueError: (with ``quantization``) see ``with_quantization_config``.
     """
     if companions is None:
         return {}
     check_companions(companions)
     if isinstance(companions, (str, os.PathLike)):
-        return _from_folder(os.fspath(companions), storage_options)
+        found = _from_folder(os.fspath(companions), storage_options)
+        return with_quantization_config(found, quantization)
     out: dict[str, bytes] = {}
     for name, content in companions.items():
         if isinstance(content, (bytes, bytearray)):
@@ -122,7 +134,7 @@ def read_companions(
                 raise FileNotFoundError(
                     f"companions[{name!r}]: no file at {os.fspath(content)!r}"
                 ) from None
-    return out
+    return with_quantization_config(out, quantization)
 
 
 def _from_folder(folder: str, storage_options: Mapping[str, Any] | None) -> dict[str, bytes]:
@@ -142,3 +154,35 @@ def _from_folder(folder: str, storage_options: Mapping[str, Any] | None) -> dict
             "save_pretrained, or a dict of the files"
         )
     return {n: fsio.read_all(fs, fsio.join(root, n)) for n in names}
+
+
+def with_quantization_config(
+    files: Mapping[str, bytes], quantization: Mapping[str, Any] | None
+) -> dict[str, bytes]:
+    """``files`` with ``quantization`` (the ``quantization_config`` of weights the save
+    quantizes) in their ``config.json``, where they have one: the folder then says what its
+    weights are to ``transformers``, vLLM and the readers.
+
+    Raises:
+        ValueError: the ``config.json`` is not a JSON object, or already names another
+            ``quantization_config``.
+    """
+    out = dict(files)
+    if quantization is None or "config.json" not in out:
+        return out
+    try:
+        config = json.loads(out["config.json"])
+    except ValueError as exc:
+        raise ValueError(f"companions['config.json'] is not JSON ({exc}); fix it") from None
+    if not isinstance(config, dict):
+        raise ValueError("companions['config.json'] is not a JSON object; fix it")
+    found = config.get("quantization_config")
+    if found is not None and found != dict(quantization):
+        raise ValueError(
+            f"companions['config.json'] has quantization_config {found!r}, but the save "
+            f"quantizes as {dict(quantization)!r}: give the unquantized model's config.json (the "
+            "save adds its own)"
+        )
+    config["quantization_config"] = dict(quantization)
+    out["config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
+    return out

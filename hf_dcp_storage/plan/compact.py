@@ -18,13 +18,15 @@ this module puts them together, and is where the writer and the tests import the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .chunks import GlobalChunks, LocalChunks, chunk_bytes, encode_local, gather
 from .dedup import Dedup, dedup
+from .fp8export import EXPORT_KEYS
 from .layout import Layout, plan_layout
 from .packed import packed_array
 from .placed import PlacedChunks, place_chunks
@@ -39,6 +41,7 @@ __all__ = [
     "encode_local",
     "gather",
     "plan_save",
+    "planner_data_to_send",
     "table_plans",
     "xor_shares",
 ]
@@ -200,3 +203,16 @@ def plan_save(
     tables = table_plans(g, layout, dedup)
     placed = place_chunks(g, dedup, layout) if placement else None
     return SavePlanned(layout, tables, (g.table_keys, g.table_of_rank), placed)
+
+
+def planner_data_to_send(planner_data: Any) -> Any:
+    """(each rank) What of a local plan's ``planner_data`` DCP gathers: DCP's flattening map of a
+    flat state dict (each key to itself) says nothing, and from thousands of ranks it would cost
+    the coordinator GiBs, so it goes only where some key maps elsewhere; an FP8 export's own
+    entries (``plan/fp8export.py``) always go."""
+    if not isinstance(planner_data, Mapping):
+        return planner_data
+    paths = {k: v for k, v in planner_data.items() if k not in EXPORT_KEYS}
+    if all(tuple(path) == (key,) for key, path in paths.items()):
+        return {k: v for k, v in planner_data.items() if k in EXPORT_KEYS}
+    return planner_data
