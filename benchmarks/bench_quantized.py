@@ -7,7 +7,9 @@ server on loopback (``--store moto|radosgw``), contenders interleaved repeat by 
                FP8 only: it reads local folders alone, and in torch 2.13 its ``dcp.load`` of MXFP4
                fills only part of each row, so its time there would be of another, smaller load)
   ours_raw     ``HFStorageReader()`` loading the same stored bytes as they are (float8 / uint8
-               destinations): the same bytes with no dequantization, the bound ours is held to
+               destinations): the same bytes with no dequantization
+  ours_bf16    ``HFStorageReader()`` loading a bf16 checkpoint of the dequantized weights (2x the
+               FP8 bytes, 4x MXFP4's): what loading the model costs without the quantized files
 
 Two folders, written once by one process (several files, an index, a ``config.json``):
 
@@ -15,7 +17,8 @@ Two folders, written once by one process (several files, an index, a ``config.js
          ``weight_scale_inv`` of 128 x 128 blocks, ``--fp8-mb`` of weights
   mxfp4  gpt-oss-like ``*_blocks`` ``[8, 2880, 90, 16]`` uint8 with ``*_scales``, ``--mxfp4-mb``
 
-Throughput is the stored bytes loaded per second of the slowest rank. Each rank also records a
+Throughput is the quantized folder's stored bytes per second of the slowest rank (for
+``ours_bf16``, of the same model loaded from its bf16 files). Each rank also records a
 CRC32 of what it loaded, so the table says whether ours gave the same bits as torch's reader.
 Usage: ``python -m benchmarks.bench_quantized [--store radosgw] --repeats 5 --md-out F``.
 """
@@ -113,7 +116,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
 
     torch.set_num_threads(1)
     dist, mesh = init_dist(rank, world, job["rdzv"], timeout_s=1800)
-    raw = job["name"] == "ours_raw"
+    raw = job["name"] == "ours_raw"  # ours_bf16: a bf16 folder, loaded as stored
     sd = {}
     for key, (stored_shape, shape, stored_dtype) in job["weights"].items():
         dtype = getattr(torch, stored_dtype) if raw else torch.bfloat16
@@ -136,7 +139,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
             job["url"],
             storage_options=job["opts"],
             thread_count=job["threads"],
-            dequantize=None if raw else torch.bfloat16,
+            dequantize=torch.bfloat16 if job["name"] == "ours" else None,
         )
     timed = timed_call(dist, lambda: dcp.load(sd, storage_reader=reader))
     crc = 0
@@ -181,17 +184,21 @@ def main() -> None:
                 config = {
                     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}
                 }
-                contenders = ["ours", "torch", "ours_raw"] if fs is None else ["ours", "ours_raw"]
+                contenders = ["ours", "torch", "ours_raw", "ours_bf16"]
             else:
                 tensors = _mxfp4_tensors(args.mxfp4_mb)
                 config = {"quantization_config": {"quant_method": "mxfp4"}}
-                contenders = ["ours", "ours_raw"]
+                contenders = ["ours", "ours_raw", "ours_bf16"]
+            if fs is not None:
+                contenders = [c for c in contenders if c != "torch"]  # local folders only
             folder = work / case
             _write_folder(folder, tensors, config)
-            url = str(folder)
+            _write_folder(work / f"{case}_bf16", _dequantized_tensors(folder, tensors), {})
+            urls = {"": str(folder), "_bf16": str(work / f"{case}_bf16")}
             if fs is not None:
-                url = f"s3://bench-quantized/{case}"
-                fs.put(str(folder) + "/", url + "/", recursive=True)
+                for tail, local in list(urls.items()):
+                    urls[tail] = f"s3://bench-quantized/{case}{tail}"
+                    fs.put(local + "/", urls[tail] + "/", recursive=True)
             weights = {
                 k: (list(t.shape), _dequantized(t.shape), str(t.dtype).removeprefix("torch."))
                 for k, t in tensors.items()
@@ -203,7 +210,7 @@ def main() -> None:
                 tag = f"{case}_{name}_{rep}"
                 job = {
                     "name": name,
-                    "url": url,
+                    "url": urls["_bf16" if name == "ours_bf16" else ""],
                     "opts": opts,
                     "weights": weights,
                     "threads": args.threads,
@@ -225,6 +232,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             remove_work_dir(folder)
+            remove_work_dir(work / f"{case}_bf16")
     finally:
         if server is not None:
             server.stop()
@@ -234,6 +242,22 @@ def main() -> None:
     if args.md_out:
         raw = "\n".join(json.dumps(r) for r in [env, *rows]) + "\n"
         write_report(str(args.md_out), table, raw)
+
+
+def _dequantized_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights of ``folder`` dequantized into bf16 (by our reader, in this process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from hf_dcp_storage import HFStorageReader
+
+    out = {
+        k: torch.empty(_dequantized(t.shape), dtype=torch.bfloat16)
+        for k, t in tensors.items()
+        if not k.endswith(("_scale_inv", "_scales"))
+    }
+    reader = HFStorageReader(folder, dequantize=torch.bfloat16)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
 
 
 def _dequantized(shape: torch.Size) -> list[int]:

@@ -25,6 +25,7 @@ _EXPORTS = {
     "HFStorageReader": "reader",
     "HFSavePlanner": "planner",
     "HFLoadPlanner": "planner",
+    "TIED_EMBEDDINGS": "planner",
     "RetryPolicy": "stores.retry",
     "CheckpointManager": "steps.manager",
     "inspect_checkpoint": "tools.inspection",
@@ -36,6 +37,7 @@ _EXPORTS = {
     "prune_run": "steps.runs",
 }
 __all__ = [
+    "TIED_EMBEDDINGS",
     "CheckpointManager",
     "HFLoadPlanner",
     "HFSavePlanner",
@@ -52,7 +54,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .planner import HFLoadPlanner, HFSavePlanner
+    from .planner import TIED_EMBEDDINGS, HFLoadPlanner, HFSavePlanner
     from .reader import HFStorageReader
     from .steps.manager import CheckpointManager
     from .steps.runs import list_steps, prune_run

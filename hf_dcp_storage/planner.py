@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
+from torch.distributed.tensor import DTensor
 
 from .format.quantscheme import block_size_of
 from .plan.fp8export import (
@@ -27,7 +28,7 @@ from .plan.fp8export import (
     quantization_config,
 )
 
-__all__ = ["HFLoadPlanner", "HFSavePlanner", "KeyMapping"]
+__all__ = ["TIED_EMBEDDINGS", "HFLoadPlanner", "HFSavePlanner", "KeyMapping"]
 
 KeyMapping: TypeAlias = Mapping[str, str] | Callable[[str], str]
 
@@ -66,6 +67,46 @@ def _map_keys(fqns: list[str], key_mapping: KeyMapping | None) -> dict[str, str]
     return mapped
 
 
+# ``tied=`` of models whose output head is their input embedding (``tie_word_embeddings``).
+TIED_EMBEDDINGS = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _check_tied(tied: Mapping[str, str] | None) -> dict[str, str]:
+    if tied is None:
+        return {}
+    if not isinstance(tied, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) and k != v for k, v in tied.items()
+    ):
+        raise ValueError(
+            f"tied={tied!r} must map an HF key to the other HF key it is tied to, e.g. "
+            f"{TIED_EMBEDDINGS}"
+        )
+    return dict(tied)
+
+
+def _check_same(dropped: str, value: Any, kept: str, other: Any) -> None:
+    """(each rank) ``dropped`` may be left out only where ``kept`` holds the same tensor."""
+    local = [v._local_tensor if isinstance(v, DTensor) else v for v in (value, other)]
+    a, b = local
+    same = (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and (
+            (a.untyped_storage().data_ptr(), a.storage_offset(), a.stride())
+            == (b.untyped_storage().data_ptr(), b.storage_offset(), b.stride())
+            or torch.equal(a, b)
+        )
+    )
+    if not same:
+        found = "missing" if other is None else "a different tensor"
+        raise ValueError(
+            f"tied: {dropped!r} is to be saved as {kept!r}, but {kept!r} is {found}; tie them "
+            f"in the model, or leave {dropped!r} out of tied"
+        )
+
+
 class HFSavePlanner(DefaultSavePlanner):
     """Save planner that renames keys to HF names and picks the saved dtype.
 
@@ -87,6 +128,11 @@ class HFSavePlanner(DefaultSavePlanner):
         quantize_filter: ``(HF key, shape) -> bool``, which tensors to quantize; by default 2-D
             ``*.weight`` tensors but embeddings, norms, the router (``gate``) and ``lm_head``
             (``plan/fp8export.default_filter``). Tensors in FP8 already, or not floating, never.
+        tied: tied weights saved once, as ``save_pretrained`` saves them: ``{HF key left out:
+            HF key kept}`` (``TIED_EMBEDDINGS``: ``lm_head.weight`` is the embedding). A key left
+            out must hold the same tensor as its kept key (the same storage, or equal values),
+            else the save is refused naming both; load such a folder into both keys with
+            ``HFLoadPlanner(tied=...)`` (``from_pretrained`` ties them itself).
         **kwargs: passed to :class:`DefaultSavePlanner`.
     """
 
@@ -98,10 +144,12 @@ class HFSavePlanner(DefaultSavePlanner):
         quantize: str | None = None,
         quantize_block: int | tuple[int, int] = 128,
         quantize_filter: QuantizeFilter | None = None,
+        tied: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         _mapper(key_mapping)  # validate the type up front
+        self.tied = _check_tied(tied)
         if save_dtype is not None and (
             not isinstance(save_dtype, torch.dtype) or not save_dtype.is_floating_point
         ):
@@ -128,6 +176,10 @@ class HFSavePlanner(DefaultSavePlanner):
         mapped = _map_keys(list(self.state_dict), self.key_mapping)
         self.state_dict = {mapped[fqn]: value for fqn, value in self.state_dict.items()}
         self.mappings = {mapped[fqn]: self.mappings.get(fqn, (fqn,)) for fqn in mapped}
+        for dropped, kept in self.tied.items():
+            if dropped in self.state_dict:
+                _check_same(dropped, self.state_dict[dropped], kept, self.state_dict.get(kept))
+                del self.state_dict[dropped], self.mappings[dropped]
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -198,21 +250,35 @@ class HFLoadPlanner(DefaultLoadPlanner):
     Give it the same forward mapping as at save time (FQN -> HF key). Data is converted to
     each destination tensor's dtype. Every rank calls it with its own state dict.
 
+    ``tied``: ``{HF key: HF key it is tied to}`` (``TIED_EMBEDDINGS``): a destination whose key
+    the checkpoint lacks loads from the key it is tied to, as ``from_pretrained`` ties a folder
+    ``save_pretrained`` (or ``HFSavePlanner(tied=...)``) wrote with the weight once.
+
     Raises (wrapped by DCP):
         KeyError: keys missing from the checkpoint (unless ``allow_partial_load=True``), listed
             with the HF names looked up.
         ValueError: a destination whose global shape differs from the stored tensor.
     """
 
-    def __init__(self, key_mapping: KeyMapping | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        key_mapping: KeyMapping | None = None,
+        *,
+        tied: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         _mapper(key_mapping)
         self.key_mapping = key_mapping
+        self.tied = _check_tied(tied)
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None, "DCP calls set_up_planner with metadata first"
         mapped = _map_keys(list(self.state_dict), self.key_mapping)
         stored = self.metadata.state_dict_metadata
+        for fqn, key in mapped.items():
+            if key not in stored and self.tied.get(key) in stored:
+                mapped[fqn] = self.tied[key]  # two destinations, one stored tensor
         missing = {fqn: key for fqn, key in mapped.items() if key not in stored}
         if missing and not self.allow_partial_load:
             shown = ", ".join(

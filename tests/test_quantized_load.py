@@ -286,7 +286,9 @@ def test_a_block_size_other_than_the_configs_and_bad_options_are_refused(tmp_pat
             storage_reader=HFStorageReader(tmp_path / "ckpt", dequantize=DTYPE, block_size=64),
             no_dist=True,
         )
-    with pytest.raises(ValueError, match=r"dequantize=torch.int8: give the dtype to dequantize into"):
+    with pytest.raises(
+        ValueError, match=r"dequantize=torch.int8: give the dtype to dequantize into"
+    ):
         HFStorageReader(tmp_path / "ckpt", dequantize=torch.int8)
 
 

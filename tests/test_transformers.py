@@ -19,7 +19,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hf_dcp_storage import HFStorageReader, HFStorageWriter
+from hf_dcp_storage import (
+    TIED_EMBEDDINGS,
+    HFLoadPlanner,
+    HFSavePlanner,
+    HFStorageReader,
+    HFStorageWriter,
+)
 from tests.support.dist import run_ranks
 from tests.support.models import tiny_llama
 
@@ -57,14 +63,16 @@ def _assert_state_dicts_equal(
 # -- rank function: 2 ranks save the model's state dict as Shard(0) DTensors -----------------------
 
 
-def _save_sharded_llama(rank: int, world: int, jobs: list[tuple[str, str, bool | None]]) -> None:
-    """For each ``(state_dict_file, out_folder, direct_write)``: shard over ``world`` ranks and
-    save."""
+def _save_sharded_llama(
+    rank: int, world: int, jobs: list[tuple[str, str, bool | None, bool]]
+) -> None:
+    """For each ``(state_dict_file, out_folder, direct_write, tied_once)``: shard over ``world``
+    ranks and save (``tied_once``: the tied head left out, as ``save_pretrained`` does)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    for sd_file, out, direct_write in jobs:
+    for sd_file, out, direct_write, tied_once in jobs:
         full = torch.load(sd_file, weights_only=True)  # keeps tied keys sharing one storage
         sharded: dict[str, torch.Tensor] = {}
         by_storage: dict[int, torch.Tensor] = {}
@@ -78,6 +86,7 @@ def _save_sharded_llama(rank: int, world: int, jobs: list[tuple[str, str, bool |
             storage_writer=HFStorageWriter(
                 out, max_shard_size=MAX_SHARD, direct_write=direct_write
             ),
+            planner=HFSavePlanner(tied=TIED_EMBEDDINGS if tied_once else None),
         )
 
 
@@ -94,7 +103,10 @@ def test_dcp_save_on_2_ranks_loads_with_from_pretrained(tmp_path: Path) -> None:
             assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
         torch.save(sd, tmp_path / f"{tag}.pt")
         # the untied model takes the direct path, the tied one the staged (object-store) path
-        jobs.append((str(tmp_path / f"{tag}.pt"), str(tmp_path / tag), None if not tie else False))
+        jobs.append(
+            (str(tmp_path / f"{tag}.pt"), str(tmp_path / tag), None if not tie else False, False)
+        )
+    jobs.append((str(tmp_path / "tied.pt"), str(tmp_path / "tied_once"), None, True))
     run_ranks(_save_sharded_llama, 2, jobs)
 
     for tie, tag in zip(TIES, TIE_IDS, strict=True):
@@ -115,6 +127,37 @@ def test_dcp_save_on_2_ranks_loads_with_from_pretrained(tmp_path: Path) -> None:
         assert torch.equal(actual, expected), (
             f"{tag}: logits differ by up to {(actual - expected).abs().max()}"
         )
+
+    # HFSavePlanner(tied=...): the head left out as save_pretrained leaves it; from_pretrained
+    # ties it back, and HFLoadPlanner(tied=...) loads the one stored tensor into both keys.
+    folder, original = tmp_path / "tied_once", models[True]
+    original.config.save_pretrained(folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(set(original.state_dict()) - {"lm_head.weight"})
+    loaded, info = _load_pretrained(folder)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert torch.equal(_logits(loaded), _logits(original))
+    dest = {k: torch.zeros_like(v) for k, v in original.state_dict().items()}
+    dcp.load(
+        dest,
+        storage_reader=HFStorageReader(folder),
+        planner=HFLoadPlanner(tied=TIED_EMBEDDINGS),
+        no_dist=True,
+    )
+    _assert_state_dicts_equal(dest, dict(original.state_dict()), "tied_once")
+
+
+def test_a_tied_key_left_out_must_hold_the_same_tensor(tmp_path: Path) -> None:
+    sd = {"model.embed_tokens.weight": torch.ones(4, 2), "lm_head.weight": torch.zeros(4, 2)}
+    with pytest.raises(BaseException, match=r"'lm_head.weight' is to be saved as .* a different"):
+        dcp.save(
+            sd,
+            storage_writer=HFStorageWriter(tmp_path / "x"),
+            planner=HFSavePlanner(tied=TIED_EMBEDDINGS),
+            no_dist=True,
+        )
+    with pytest.raises(ValueError, match=r"tied=\['lm_head.weight'\] must map an HF key"):
+        HFLoadPlanner(tied=["lm_head.weight"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("max_shard_size", [None, "20KB"], ids=["single_file", "sharded"])

@@ -77,8 +77,7 @@ class HFCheckpointManager(_TitanCheckpointManager):
 
     Raises:
         ValueError: from ``Config``: a setting torchtitan refuses (other than HF folders on
-            remote stores, which work here), ``initial_load_in_hf_quantized`` with a remote
-            path, or ``storage_options`` that are not a dict.
+            remote stores, which work here), or ``storage_options`` that are not a dict.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -134,19 +133,13 @@ class HFCheckpointManager(_TitanCheckpointManager):
                     "initial_load_in_hf=True requires initial_load_model_only=True: an HF folder "
                     "holds the weights only"
                 )
-            if self.initial_load_in_hf_quantized:
-                if not (self.initial_load_in_hf and self.initial_load_path):
-                    raise ValueError(
-                        "initial_load_in_hf_quantized=True requires initial_load_in_hf=True and "
-                        "an initial_load_path"
-                    )
-                if "://" in self.initial_load_path:
-                    raise ValueError(
-                        "initial_load_in_hf_quantized=True reads through the model's own "
-                        "state-dict adapter, which torchtitan implements for local folders only; "
-                        f"initial_load_path={self.initial_load_path!r} is remote: copy it to "
-                        "local disk"
-                    )
+            if self.initial_load_in_hf_quantized and not (
+                self.initial_load_in_hf and self.initial_load_path
+            ):
+                raise ValueError(
+                    "initial_load_in_hf_quantized=True requires initial_load_in_hf=True and an "
+                    "initial_load_path"
+                )
             if self.storage_options is not None and not isinstance(self.storage_options, dict):
                 raise ValueError(
                     f"storage_options={self.storage_options!r} must be None or a dict of fsspec "
@@ -331,16 +324,15 @@ class HFCheckpointManager(_TitanCheckpointManager):
                 "no checkpoint in %s and no initial_load_path: a fresh start", self.steps.url
             )
             return False
-        if self.initial_load_in_hf_quantized:
-            self.dcp_load(
-                self.states[MODEL].state_dict(),
-                checkpoint_id=path,
-                from_hf=True,
-                from_quantized=True,
-            )
-        elif self.initial_load_in_hf:
+        if self.initial_load_in_hf:
+            # A quantized folder (FP8 block-wise, MXFP4) dequantized into float32, as torchtitan's
+            # DeepSeek-V3 adapter's reader does, but from any store and each rank its own blocks.
+            quantized = torch.float32 if self.initial_load_in_hf_quantized else None
             hf = self._to_hf(self.states[MODEL].state_dict())
-            dcp.load(hf, storage_reader=HFStorageReader(path, storage_options=self.storage_options))
+            reader = HFStorageReader(
+                path, storage_options=self.storage_options, dequantize=quantized
+            )
+            dcp.load(hf, storage_reader=reader)
             self._restore_model(hf)
         else:
             # torchtitan's own DCP format (a .metadata file): its own loader.

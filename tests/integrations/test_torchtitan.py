@@ -302,13 +302,12 @@ def test_config_accepts_hf_on_remote_folders_and_checks_the_rest() -> None:
         HFCheckpointManager.Config(last_save_in_hf=True, last_save_model_only=False)
     with pytest.raises(ValueError, match="keep_latest_k cannot be negative"):
         HFCheckpointManager.Config(keep_latest_k=-1)  # torchtitan's own rules still hold
-    with pytest.raises(
-        ValueError, match=r"initial_load_in_hf_quantized=True reads through .* local folders only"
-    ):
-        HFCheckpointManager.Config(
-            initial_load_in_hf=True,
-            initial_load_in_hf_quantized=True,
-            initial_load_path="s3://b/hf",
-        )
+    # A quantized HF folder on a remote store: read (and dequantized) by ours.
+    remote = HFCheckpointManager.Config(
+        initial_load_in_hf=True, initial_load_in_hf_quantized=True, initial_load_path="s3://b/hf"
+    )
+    assert remote.initial_load_in_hf_quantized and remote.initial_load_path == "s3://b/hf"
+    with pytest.raises(ValueError, match=r"initial_load_in_hf_quantized=True requires"):
+        HFCheckpointManager.Config(initial_load_in_hf=True, initial_load_in_hf_quantized=True)
     with pytest.raises(ValueError, match=r"storage_options='key=x' must be None or a dict"):
         HFCheckpointManager.Config(storage_options="key=x")
