@@ -27,7 +27,7 @@ from .io.items import item_slabs
 from .io.parallel import check_thread_count
 from .plan.compact import LocalChunks, encode_local, plan_save, planner_data_to_send
 from .plan.fp8export import export_config
-from .plan.layout import Layout, parse_size, whole_tensor_metadata
+from .plan.layout import Layout, check_file_name, parse_size, whole_tensor_metadata
 from .plan.rankplan import (
     RankPlan,
     check_savable,
@@ -108,6 +108,8 @@ class HFStorageWriter(StorageWriter):
         companions: the model's config and tokenizer files, put next to the weights (the folder
             loads with ``from_pretrained``): a folder (path or URL) whose files are copied, or a
             dict of file name -> bytes, text, dict (JSON) or local path (``io/companions.py``).
+        file_name: every tensor in the one file of this name (``"adapter_model.safetensors"``,
+            as PEFT reads adapters), the index still the commit marker, written last.
 
     The coordinator's ``merge_stats`` (also in the returned ``Metadata``'s
     ``storage_data[MERGE_STATS_KEY]`` and an INFO log line) tells who moved the files' bytes.
@@ -134,8 +136,10 @@ class HFStorageWriter(StorageWriter):
         direct_io: bool | None = None,
         gather_memory: int | str = "2GB",
         companions: Companions | None = None,
+        file_name: str | None = None,
     ) -> None:
         super().__init__()
+        self.file_name = check_file_name(file_name, fqn_to_index_mapping)
         if fqn_to_index_mapping is not None and not isinstance(fqn_to_index_mapping, Mapping):
             raise ValueError(
                 "fqn_to_index_mapping must be a dict of key -> 1-based file index, got "
@@ -177,6 +181,7 @@ class HFStorageWriter(StorageWriter):
         "direct_io",
         "gather_memory",
         "companions",
+        "file_name",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -293,6 +298,7 @@ class HFStorageWriter(StorageWriter):
                 max_shard_bytes=self.max_shard_bytes,
                 fqn_to_index_mapping=self.fqn_to_index_mapping,
                 placement=store.needs_placement,
+                file_name=self.file_name,
             )
             layout, self._tables = planned.layout, planned.key_tables
             tasks = store.plan(layout, planned.placed, len(compact))

@@ -39,7 +39,11 @@ LAYERS = {
 }
 # What the trainer integrations may build on, and the trainer package each one (alone) imports.
 _INTEGRATION_BASES = {"__init__", "steps", "writer", "reader"}
-_TRAINERS = {"integrations.torchtitan": "torchtitan", "integrations.lightning": "lightning"}
+_TRAINERS = {
+    "integrations.torchtitan": "torchtitan",
+    "integrations.lightning": "lightning",
+    "integrations.peft": "peft",
+}
 MAX_LINES, MAX_WRITER_LINES = 450, 400
 # The calls that send a request through s3fs's botocore client, and the module names that may.
 _S3_CLIENT_CALLS = {"get_s3", "_call_s3", "set_session", "_get_s3_method_kwargs"}

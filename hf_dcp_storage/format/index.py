@@ -26,6 +26,7 @@ from .header import TensorEntry, decode_header
 from .strictjson import loads_strict
 
 __all__ = [
+    "ADAPTER_FILE_NAME",
     "CHECKSUMS_KEY",
     "CHECKSUM_ALGORITHM",
     "CHECKSUM_ALGORITHM_KEY",
@@ -50,6 +51,8 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
+# PEFT's one adapter file (``save_pretrained`` of a ``PeftModel``): loadable without an index too.
+ADAPTER_FILE_NAME = "adapter_model.safetensors"
 SHARD_NAME_RE = re.compile(r"^model-(\d{5,})-of-(\d{5,})\.safetensors$")
 # What every file's ``__metadata__`` says (transformers reads it).
 FORMAT_METADATA = {"format": "pt"}

@@ -14,7 +14,14 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 from ..format.header import TensorEntry, decode_header, header_length
-from ..format.index import INDEX_NAME, SINGLE_FILE_NAME, FileHeader, parse_index, recorded_headers
+from ..format.index import (
+    ADAPTER_FILE_NAME,
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    FileHeader,
+    parse_index,
+    recorded_headers,
+)
 from ..format.strictjson import loads_strict
 from . import fsio
 
@@ -208,7 +215,8 @@ def load_weight_map(
     fs: AbstractFileSystem, root: str, read_range: ReadRange, *, keep: bool = False
 ) -> tuple[dict[str, str], dict[str, int] | None, Mapping[str, FileHeader | Head] | None]:
     """``key -> file``, the recorded checksums and the recorded headers (``recorded_headers``)
-    from the index json, or from the single ``model.safetensors`` (no checksums; its header, a
+    from the index json, or from the single ``model.safetensors`` (or PEFT's
+    ``adapter_model.safetensors``; no checksums; its header, a
     ``Head`` with the bytes after it where ``keep``: ``read_head``), for a loader.
 
     Raises:
@@ -217,15 +225,23 @@ def load_weight_map(
     """
     raw = read_index(fs, root)
     if raw is None:
-        if not fsio.exists(fs, fsio.join(root, SINGLE_FILE_NAME)):
+        single = next(
+            (
+                n
+                for n in (SINGLE_FILE_NAME, ADAPTER_FILE_NAME)
+                if fsio.exists(fs, fsio.join(root, n))
+            ),
+            None,
+        )
+        if single is None:
             raise FileNotFoundError(
                 f"{fsio.url_of(fs, root)} is not an HF checkpoint: it has neither {INDEX_NAME} "
-                f"nor {SINGLE_FILE_NAME} (an unfinished save has no index); point to the folder "
-                "that holds them"
+                f"nor {SINGLE_FILE_NAME} (nor PEFT's {ADAPTER_FILE_NAME}; an unfinished save has "
+                "no index); point to the folder that holds them"
             )
         read = read_head if keep else read_header
-        header = read(fs, root, SINGLE_FILE_NAME, read_range)
-        return {e.name: SINGLE_FILE_NAME for e in header.entries}, None, {SINGLE_FILE_NAME: header}
+        header = read(fs, root, single, read_range)
+        return {e.name: single for e in header.entries}, None, {single: header}
     where = fsio.url_of(fs, fsio.join(root, INDEX_NAME))
     index = parse_index(raw, where)
     return (

@@ -187,6 +187,7 @@ def plan_save(
     max_shard_bytes: int,
     fqn_to_index_mapping: dict[str, int] | None,
     placement: bool,
+    file_name: str | None = None,
 ) -> SavePlanned:
     """(coordinator) Gather the ranks' chunks, check that each tensor's chunks tile it (one
     writer per replicated chunk), plan the layout and each rank's table plan; ``placement``:
@@ -198,7 +199,10 @@ def plan_save(
     g = gather(chunks)
     dedup = check_and_dedup(g)
     layout = plan_layout(
-        g.specs, max_shard_bytes=max_shard_bytes, fqn_to_index_mapping=fqn_to_index_mapping
+        g.specs,
+        max_shard_bytes=max_shard_bytes,
+        fqn_to_index_mapping=fqn_to_index_mapping,
+        file_name=file_name,
     )
     tables = table_plans(g, layout, dedup)
     placed = place_chunks(g, dedup, layout) if placement else None

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from ..format.geometry import element_size
 from ..format.header import TensorEntry, decode_header, dtype_name, encode_header
-from ..format.index import FORMAT_METADATA, index_json, json_bytes, shard_name
+from ..format.index import FORMAT_METADATA, file_name_problem, index_json, json_bytes, shard_name
 
 __all__ = [
     "DATA_ALIGN",
@@ -176,12 +176,14 @@ def plan_layout(
     *,
     max_shard_bytes: int,
     fqn_to_index_mapping: Mapping[str, int] | None = None,
+    file_name: str | None = None,
 ) -> Layout:
     """Assign keys to files and encode every file's header.
 
     Without ``fqn_to_index_mapping`` keys fill files greedily in the given order so that no file
     holds more than ``max_shard_bytes`` of tensor data (a larger tensor gets a file of its own).
-    With it, each key goes to its 1-based file index; indices must cover ``1..N``.
+    With it, each key goes to its 1-based file index; indices must cover ``1..N``. With
+    ``file_name`` every key goes to the one file of that name (``adapter_model.safetensors``).
 
     Raises:
         ValueError: unsupported dtype, or a mapping that misses keys, names unknown keys or
@@ -189,11 +191,12 @@ def plan_layout(
     """
     for spec in specs:
         dtype_name(spec.dtype, key=spec.key)
-    groups = (
-        _groups_from_mapping(specs, fqn_to_index_mapping)
-        if fqn_to_index_mapping is not None
-        else _greedy_groups(specs, max_shard_bytes)
-    )
+    if file_name is not None:
+        groups = [list(specs)]
+    elif fqn_to_index_mapping is not None:
+        groups = _groups_from_mapping(specs, fqn_to_index_mapping)
+    else:
+        groups = _greedy_groups(specs, max_shard_bytes)
     total = max(len(groups), 1)
     files: list[FilePlan] = []
     file_of: dict[str, int] = {}
@@ -204,7 +207,8 @@ def plan_layout(
             entries.append(TensorEntry(spec.key, spec.dtype, spec.shape, pos, pos + spec.nbytes))
             pos += spec.nbytes
         header = encode_header(entries, FORMAT_METADATA, align=DATA_ALIGN)
-        files.append(FilePlan(shard_name(i + 1, total), header, tuple(entries)))
+        name = file_name if file_name is not None else shard_name(i + 1, total)
+        files.append(FilePlan(name, header, tuple(entries)))
         for e in entries:
             file_of[e.name] = i
             tensor_start[e.name] = len(header) + e.begin
@@ -316,3 +320,30 @@ def index_bytes(layout: Layout, checksums: Mapping[str, int]) -> bytes:
     """The index file a save of ``layout`` commits (``format/index.py``'s ``index_json``)."""
     files = [(f.name, f.size, f.header) for f in layout.files]
     return json_bytes(index_json(layout.total_size, layout.weight_map, files, checksums))
+
+
+def check_file_name(file_name: str | None, fqn_to_index_mapping: Any) -> str | None:
+    """The writer's ``file_name`` option: ``None``, or a plain ``*.safetensors`` name in the
+    folder other than the index's, with no ``fqn_to_index_mapping`` beside it.
+
+    Raises:
+        ValueError: any other value, naming it and the rule.
+    """
+    if file_name is None:
+        return None
+    if (
+        not isinstance(file_name, str)
+        or not file_name.endswith(".safetensors")
+        or "/" in file_name
+        or file_name_problem(file_name, "file_name") is not None
+    ):
+        raise ValueError(
+            f"file_name={file_name!r} must be a plain file name ending in .safetensors, such as "
+            "'adapter_model.safetensors'"
+        )
+    if fqn_to_index_mapping is not None:
+        raise ValueError(
+            "file_name puts every tensor in one file, fqn_to_index_mapping spreads them over "
+            "several: give one of the two"
+        )
+    return file_name

@@ -128,12 +128,15 @@ def writers(
     options: Mapping[str, Any],
     *,
     companions: Companions | None = None,
+    file_name: str | None = None,
 ) -> tuple[HFStorageWriter, HFStorageWriter | None]:
     """``(weights' writer, training state's writer or None)`` for a save into ``folder``;
     ``options`` go to both ``HFStorageWriter``s, ``companions`` (the model's config and
-    tokenizer files) to the weights' only."""
+    tokenizer files) and ``file_name`` (one weights file of that name) to the weights' only."""
     # Writers and readers take URLs: a bare path of a remote store would mean local disk.
-    model_writer = HFStorageWriter(fsio.url_of(fs, folder), **options, companions=companions)
+    model_writer = HFStorageWriter(
+        fsio.url_of(fs, folder), **options, companions=companions, file_name=file_name
+    )
     state_writer = (
         HFStorageWriter(fsio.url_of(fs, fsio.join(folder, TRAINING_STATE_DIR)), **options)
         if has_tensors

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from ..io import fsio
 from ..io.companions import Companions, check_companions
 from ..io.direct import check_direct_io
+from ..plan.layout import check_file_name
 from ..session.meeting import DEFAULT_RANK_TIMEOUT, check_rank_timeout
 from ..stores.retry import RetryPolicy
 from ..writer import HFStorageWriter
@@ -62,6 +63,10 @@ class CheckpointManager:
         companions: the model's config and tokenizer files (a folder or a dict,
             ``HFStorageWriter(companions=...)``), written into every step's weights folder, so
             that each step loads with ``from_pretrained``.
+        file_name: every step's weights in the one file of this name: with PEFT's
+            ``"adapter_model.safetensors"`` and its ``adapter_config.json`` as a companion
+            (``integrations.peft``), each step of adapter-only weights is an adapter folder
+            that ``PeftModel.from_pretrained`` loads.
         overwrite: let ``save`` replace a complete step of the same number (else refused).
         reuse_staging: with ``save(..., async_save=True)``, keep the host copy of the tensors
             that an async save stages and copy into it again at the next save, instead of
@@ -93,6 +98,7 @@ class CheckpointManager:
         async_mode: str = "thread",
         direct_io: bool | None = None,
         companions: Companions | None = None,
+        file_name: str | None = None,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(
@@ -113,6 +119,7 @@ class CheckpointManager:
         self.max_shard_size = max_shard_size
         check_companions(companions)
         self.companions = companions
+        self.file_name = check_file_name(file_name, None)
         self.rank_timeout = check_rank_timeout(rank_timeout)
         self.overwrite = overwrite
         self._in_flight: tuple[int, Reported[int]] | None = None
@@ -195,7 +202,12 @@ class CheckpointManager:
             **self._io,
         }
         model_writer, state_writer = step_folder.writers(
-            self.fs, folder, bool(tensors), options, companions=self.companions
+            self.fs,
+            folder,
+            bool(tensors),
+            options,
+            companions=self.companions,
+            file_name=self.file_name,
         )
         if not async_save:
             # This rank's state goes up while the tensors are saved: its PUT (on an object store
