@@ -159,6 +159,11 @@ class HFSavePlanner(DefaultSavePlanner):
             )
         if quantize not in (None, "fp8_block"):
             raise ValueError(f"quantize={quantize!r}: the one export is 'fp8_block' (or None)")
+        if quantize is not None and kwargs.get("enable_plan_caching"):
+            raise ValueError(
+                "quantize='fp8_block' agrees block amaxes through every save's plans: it cannot "
+                "skip them with enable_plan_caching=True; drop one of the two"
+            )
         self.key_mapping = key_mapping
         self.save_dtype = save_dtype
         self.quantize, self.quantize_block = quantize, block_size_of(None, quantize_block)

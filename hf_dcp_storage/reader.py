@@ -139,6 +139,8 @@ class HFStorageReader(StorageReader):
                 f"dequantize={dequantize!r}: give the dtype to dequantize into (torch.bfloat16, "
                 "torch.float16 or torch.float32), or None to load tensors as stored"
             )
+        if block_size is not None:
+            block_size_of(None, block_size)  # a bad one refused here, not at the load
         self.dequantize, self.block_size = dequantize, block_size
         self.storage_options = storage_options
         self.thread_count = check_thread_count(thread_count)

@@ -7,14 +7,20 @@ contiguous CPU tensor of the stored dtype); else into host memory, to be copied 
 destination (converted on its device) once read. The slabs, in file order, go to the store's
 ``Reads`` in batches (``Reads.read_batch``, which joins near byte runs of a file across tensors
 into few large requests); a batch closes where the host memory its slabs take would pass half
-the reader's ``buffer_size``, the other half bounding the requests in flight. An item is
-committed once its last slab is in.
+the reader's ``buffer_size``, the other half bounding the requests in flight. A slab read into
+host memory is finished (copied, converted) on a pool of the load's as soon as its bytes are in,
+while the rest of its batch is still on its way. An item is committed once its last slab is in.
+A quantized weight's slab (``decoders``) is read as stored, only the blocks or groups its region
+touches, into host memory, and dequantized into its destination (``io/dequantizing.py``) from
+the scales read once before (``read_scales``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -212,25 +218,45 @@ def read_items(
         buffers.clear()
         used = 0
 
+    finishing: list[ThreadPoolExecutor] = []  # made at the first slab to finish, for the load
+
     def flush() -> None:
         if not batch:
             return
         done = None
+        pending: dict[int, Future[None]] = {}
         try:
             slabs: list[SlabRead] = [(s.path, s.start, s.runs, view) for s, view in batch]
+            if not finishing and not all(s.raw for s, _ in batch):
+                finishing.append(ThreadPoolExecutor(threads, thread_name_prefix="hf-dcp-finish"))
+
+            def arrived(i: int) -> None:
+                # A slab whose bytes are in is converted (or dequantized) while the rest of the
+                # batch is still on its way; this may run on an event loop: hand it on, no more.
+                if not batch[i][0].raw:
+                    pending[i] = finishing[0].submit(_finish, batch[i])
+
             requests, nbytes = reads.read_batch(
-                slabs, threads=threads, in_flight=in_flight, request_bytes=request_bytes
+                slabs,
+                threads=threads,
+                in_flight=in_flight,
+                request_bytes=request_bytes,
+                done=arrived if finishing else None,
             )
             stats.requests += requests
             stats.bytes_read += nbytes
             stats.batches += 1
             stats.host_bytes_peak = max(stats.host_bytes_peak, sum(b.numel() for b in buffers))
-            parallel_map(_finish, [(s, v) for s, v in batch if not s.raw], threads)
+            late = [batch[i] for i, (s, _) in enumerate(batch) if not s.raw and i not in pending]
+            parallel_map(_finish, late, threads)
+            for finished in list(pending.values()):
+                finished.result()
             device = next((s.dest.device for s, _ in batch if s.dest.device.type == "cuda"), None)
             if device is not None:
                 done = torch.cuda.Event()  # the buffers are refilled only after their copies
                 done.record(torch.cuda.current_stream(device))
         finally:
+            futures.wait(list(pending.values()))  # no buffer goes back while a slab reads it
             release(done)
         for s, _ in batch:
             left[s.item] -= 1
@@ -260,6 +286,8 @@ def read_items(
         flush()
     finally:
         release()  # what a failure left acquired (nothing, after a clean last flush)
+        for executor in finishing:
+            executor.shutdown(wait=True)
 
 
 def _slabs(

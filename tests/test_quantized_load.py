@@ -290,6 +290,8 @@ def test_a_block_size_other_than_the_configs_and_bad_options_are_refused(tmp_pat
         ValueError, match=r"dequantize=torch.int8: give the dtype to dequantize into"
     ):
         HFStorageReader(tmp_path / "ckpt", dequantize=torch.int8)
+    with pytest.raises(ValueError, match=r"block_size is \(128, 0\); it must be a positive int"):
+        HFStorageReader(tmp_path / "ckpt", dequantize=DTYPE, block_size=(128, 0))
 
 
 def test_verify_checks_weights_and_scales_of_a_quantized_checkpoint_we_saved(tmp_path) -> None:

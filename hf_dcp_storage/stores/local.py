@@ -29,7 +29,7 @@ from ..io.parallel import parallel_map
 from ..plan.layout import Layout
 from ..plan.rankplan import Finished, RankPlan, Written
 from .base import Slabs, Store
-from .reads import Ranges, SlabRead
+from .reads import Ranges, SlabDone, SlabRead
 from .retry import RetryPolicy
 
 __all__ = ["READ_DIRECT_BY_DEFAULT", "LocalRanges", "LocalStore"]
@@ -77,12 +77,24 @@ class LocalReads:
                 fsio.pread_into(fd, view[c : c + n], start + t, where=path)
 
     def read_batch(
-        self, slabs: Sequence[SlabRead], *, threads: int, in_flight: int, request_bytes: int
+        self,
+        slabs: Sequence[SlabRead],
+        *,
+        threads: int,
+        in_flight: int,
+        request_bytes: int,
+        done: SlabDone | None = None,
     ) -> tuple[int, int]:
         """Each slab's runs read where they are, ``threads`` slabs at a time: a local read costs
         no round trip, so nothing is joined (``in_flight`` and ``request_bytes`` are for stores
         where one does)."""
-        parallel_map(lambda slab: self.read_runs(*slab), slabs, threads)
+
+        def read(i: int) -> None:
+            self.read_runs(*slabs[i])
+            if done is not None:
+                done(i)
+
+        parallel_map(read, range(len(slabs)), threads)
         return sum(len(runs) for _, _, runs, _ in slabs), sum(
             n for _, _, runs, _ in slabs for _, _, n in runs
         )

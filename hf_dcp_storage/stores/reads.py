@@ -25,13 +25,15 @@ from ..io import fsio
 from ..plan.reads import REQUEST_BYTES, coalesce, plan_requests, split_kept
 from .retry import FSSPEC_ERRORS, ErrorRules, RetryPolicy
 
-__all__ = ["KeptReads", "RangeReads", "Ranges", "Reads", "SlabRead"]
+__all__ = ["KeptReads", "RangeReads", "Ranges", "Reads", "SlabDone", "SlabRead"]
 
 T = TypeVar("T")
 
 # One slab of a batch: ``(path, start, runs, view)``: the runs ``(offset from start, offset in
 # view, bytes)`` of file ``path`` (``start``: its tensor's first byte) that fill ``view``.
 SlabRead = tuple[str, int, Sequence[tuple[int, int, int]], memoryview]
+# ``done(i)``: slab ``i`` of a batch has all its bytes (``Reads.read_batch``).
+SlabDone = Callable[[int], None]
 
 
 class Ranges:
@@ -117,11 +119,19 @@ class Reads(Protocol):
         bytes)``), alone."""
 
     def read_batch(
-        self, slabs: Sequence[SlabRead], *, threads: int, in_flight: int, request_bytes: int
+        self,
+        slabs: Sequence[SlabRead],
+        *,
+        threads: int,
+        in_flight: int,
+        request_bytes: int,
+        done: SlabDone | None = None,
     ) -> tuple[int, int]:
         """Fill every slab's view; ``threads`` I/O threads, at most ``in_flight`` requests of at
         most ``request_bytes`` each held at once. Returns the requests sent and the bytes they
-        read (gaps included).
+        read (gaps included). ``done(i)``, once slab ``i``'s bytes are all in, from whichever
+        thread brought the last of them (an event loop's, on part stores: it must only hand
+        the slab on, as ``reading.read_items`` does, to finish it elsewhere).
 
         Raises:
             ValueError: a file ends before a run does (truncated), naming the file and range.
@@ -161,6 +171,7 @@ class RangeReads:
         threads: int,
         in_flight: int,
         request_bytes: int = REQUEST_BYTES,
+        done: SlabDone | None = None,
     ) -> tuple[int, int]:
         wants: dict[str, list[tuple[int, int, int, int]]] = {}
         for i, (path, start, runs, _) in enumerate(slabs):
@@ -171,14 +182,30 @@ class RangeReads:
             for request in plan_requests(wanted, request_bytes=request_bytes):
                 spans.append((path, request.start, request.end))
                 pieces.append(request.pieces)
+        left = [0] * len(slabs)  # pieces still to come, per slab
+        for request_pieces in pieces:
+            for _, _, slab, _ in request_pieces:
+                left[slab] += 1
+        lock = threading.Lock()
+        if done is not None:
+            for i in (i for i, n in enumerate(left) if n == 0):
+                done(i)  # nothing to read (an empty region)
 
         def deliver(k: int, blob: bytes) -> None:
             path, start, end = spans[k]
             needed = max(at + n for at, n, _, _ in pieces[k])
             self._check_length(path, start, end, len(blob), needed)
             data = memoryview(blob)
+            finished = []
             for at, n, slab, offset in pieces[k]:
                 slabs[slab][3][offset : offset + n] = data[at : at + n]
+                with lock:
+                    left[slab] -= 1
+                    if left[slab] == 0:
+                        finished.append(slab)
+            if done is not None:
+                for slab in finished:
+                    done(slab)
 
         self.ranges.fetch(spans, in_flight, deliver)
         return len(spans), sum(end - start for _, start, end in spans)
@@ -228,13 +255,30 @@ class KeptReads:
             self.reads.read_runs(path, start, rest, view)
 
     def read_batch(
-        self, slabs: Sequence[SlabRead], *, threads: int, in_flight: int, request_bytes: int
+        self,
+        slabs: Sequence[SlabRead],
+        *,
+        threads: int,
+        in_flight: int,
+        request_bytes: int,
+        done: SlabDone | None = None,
     ) -> tuple[int, int]:
-        rest = [(p, s, r, v) for p, s, runs, v in slabs if (r := self._serve(p, s, runs, v))]
+        rest: list[SlabRead] = []
+        index: list[int] = []  # each of ``rest``'s slab in ``slabs``
+        for i, (p, s, runs, v) in enumerate(slabs):
+            if r := self._serve(p, s, runs, v):
+                rest.append((p, s, r, v))
+                index.append(i)
+            elif done is not None:
+                done(i)  # served whole from the kept bytes
         if not rest:
             return 0, 0
         return self.reads.read_batch(
-            rest, threads=threads, in_flight=in_flight, request_bytes=request_bytes
+            rest,
+            threads=threads,
+            in_flight=in_flight,
+            request_bytes=request_bytes,
+            done=None if done is None else lambda j: done(index[j]),
         )
 
     def close(self) -> None:
