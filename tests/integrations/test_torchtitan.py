@@ -122,6 +122,21 @@ def titan(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> dict[
             load_only=True,
         ),
     ]
+    fp8 = _fp8_export(out, bucket, options)
+    second.append(
+        Run(
+            "initial-fp8",
+            checkpoint={
+                "folder": f"{bucket}/fresh-fp8",
+                "initial_load_path": fp8,
+                "initial_load_in_hf": True,
+                "initial_load_in_hf_quantized": True,
+                "storage_options": options,
+            },
+            init_seed=2,
+            load_only=True,
+        )
+    )
     run_ranks(_titan.job, WORLD, second, str(out))
     listed["second"] = {name: _steps(cfg["folder"], moto_endpoint) for name, cfg in configs.items()}
     records = {
@@ -135,6 +150,30 @@ def titan(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> dict[
     }
     yield {"out": out, "records": records, "listed": listed, "s3_export": s3_export}
     next(buckets, None)
+
+
+def _fp8_export(out: Path, bucket: str, options: dict) -> str:
+    """The reference weights in HF keys as a DeepSeek-like FP8 block-wise folder on S3, one
+    process quantizing (``fp8_block_quantize``, the default filter's tensors); its URL."""
+    from safetensors.torch import save_file
+
+    from hf_dcp_storage.format.quantized import fp8_block_quantize
+    from hf_dcp_storage.plan.fp8export import default_filter
+
+    spec = _titan.model_spec()
+    hf = spec.state_dict_adapter(spec.model, None).to_hf(torch.load(out / "reference" / "full.pt"))
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in hf.items():
+        if default_filter(key, value.shape):
+            tensors[key], tensors[key + "_scale_inv"] = fp8_block_quantize(value)
+        else:
+            tensors[key] = value.contiguous()
+    folder = out / "fp8"
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    fs, root = fsspec.core.url_to_fs(f"{bucket}/fp8", **options)
+    fs.put(str(folder) + "/", root + "/", recursive=True)
+    return f"{bucket}/fp8"
 
 
 def _steps(folder: str, endpoint: str) -> dict[str, bool]:
@@ -256,6 +295,42 @@ def test_initial_load_in_hf_from_s3_restores_the_exported_weights(titan: dict[st
     ):
         for key, value in ref["params"].items():
             assert torch.equal(got["params"][key], value), f"rank {rank} {key}"
+
+
+def test_initial_load_in_hf_quantized_dequantizes_an_fp8_folder_from_s3(
+    titan: dict[str, Any],
+) -> None:
+    """Each rank holds the weights kept in float32 as exported, and the FP8 ones dequantized
+    (``fp8_block_dequantize``, bit-identical to torch's reader: ``tests/test_quantized_load.py``)
+    within FP8's rounding of the exported values; at least one weight was quantized."""
+    from hf_dcp_storage.format.quantized import fp8_block_dequantize
+
+    folder = Path(titan["out"]) / "fp8"
+    stored = load_file(folder / "model.safetensors")
+    hf = {
+        k: fp8_block_dequantize(v, stored[k + "_scale_inv"], (0, 0))
+        if k + "_scale_inv" in stored
+        else v
+        for k, v in stored.items()
+        if not k.endswith("_scale_inv")
+    }
+    assert any(k + "_scale_inv" in stored for k in hf)
+    spec = _titan.model_spec()
+    expected = spec.state_dict_adapter(spec.model, None).from_hf(hf)
+    full = torch.load(Path(titan["out"]) / "reference" / "full.pt")
+    quantized = {k for k, v in expected.items() if not torch.equal(v, full[k])}
+    assert quantized and quantized < set(full)
+    reference = titan["records"]["reference"]
+    for rank, got in enumerate(titan["records"]["initial-fp8"]):
+        for key, ref in reference[rank]["params"].items():
+            value = got["params"][key]
+            if key not in quantized:
+                assert torch.equal(value, ref), f"rank {rank} {key}"
+                continue
+            # Round to nearest e4m3: half an ulp (2**-4 relative), or half the subnormal step
+            # (2**-10 of the block's scale, amax / 448, at most the tensor's amax / 448).
+            bound = ref.abs() * 2**-4 + full[key].abs().max() / 448 * 2**-10
+            assert ((value - ref).abs() <= bound).all(), f"rank {rank} {key}"
 
 
 def test_exclude_from_loading_leaves_those_states_fresh(titan: dict[str, Any]) -> None:
