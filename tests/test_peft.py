@@ -1,5 +1,6 @@
-"""PEFT adapters of an FSDP2-sharded ``transformers`` Llama on 2 gloo ranks, with the ``peft``
-package as the oracle, local disk and S3 (moto):
+"""PEFT adapters of a sharded ``transformers`` Llama on 2 gloo ranks (FSDP2, and the LoRA
+matrices split as tensor parallelism splits them), with the ``peft`` package as the oracle, local
+disk and S3 (moto):
 
 * saved by every rank (``integrations.peft.save_adapter``): the folder is what
   ``PeftModel.save_pretrained`` writes (the same keys and tensors in ``adapter_model.safetensors``,
@@ -53,25 +54,48 @@ def _shard(model: Any) -> Any:
     return model
 
 
+def _tensor_parallel(model: Any) -> Any:
+    """The LoRA matrices as tensor parallelism splits them: A by its input features (row-wise),
+    B by its output features (column-wise); the base stays whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    split = 0
+    for name, module in model.named_modules():
+        if name.endswith(("lora_A.default", "lora_B.default")):
+            dim = 1 if ".lora_A." in name else 0
+            weight = distribute_tensor(module.weight.detach(), mesh, [Shard(dim)])
+            module.weight = torch.nn.Parameter(weight)
+            split += 1
+    assert split == 8  # 2 layers x (q, v) x (A, B)
+    return model
+
+
 def _on_ranks(
-    rank: int, world: int, ours: str, theirs: str, options: dict | None, out: str
+    rank: int, world: int, ours: str, theirs: str, options: dict | None, out: str, layout: str
 ) -> None:
+    from torch.distributed.tensor import DTensor
+
     from hf_dcp_storage.integrations.peft import load_adapter, save_adapter
 
-    trained = _shard(_peft_model(lora_seed=7))
+    shard = _shard if layout == "fsdp" else _tensor_parallel
+    trained = shard(_peft_model(lora_seed=7))
     save_adapter(trained, ours, storage_options=options)
     # Another job: the same base, another LoRA init, then the folder save_pretrained wrote.
-    other = _shard(_peft_model(lora_seed=99))
+    other = shard(_peft_model(lora_seed=99))
     load_adapter(other, theirs, storage_options=options)
-    full = {k: v.full_tensor() for k, v in other.state_dict().items()}
+    full = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in other.state_dict().items()
+    }
     if rank == 0:
         torch.save(full, out)
     dist.barrier()
 
 
-@pytest.mark.parametrize("store", ["local", "s3"])
+@pytest.mark.parametrize(("store", "layout"), [("local", "fsdp"), ("s3", "fsdp"), ("local", "tp")])
 def test_adapters_of_a_sharded_model_save_and_load_as_peft_folders(
-    tmp_path: Path, store: str, request: pytest.FixtureRequest
+    tmp_path: Path, store: str, layout: str, request: pytest.FixtureRequest
 ) -> None:
     trained = _peft_model(lora_seed=7)
     reference = tmp_path / "save_pretrained"
@@ -90,7 +114,7 @@ def test_adapters_of_a_sharded_model_save_and_load_as_peft_folders(
         s3fs.S3FileSystem(**options).put(
             str(tmp_path / "theirs") + "/", theirs + "/", recursive=True
         )
-    run_ranks(_on_ranks, 2, ours, theirs, options, str(tmp_path / "loaded.pt"))
+    run_ranks(_on_ranks, 2, ours, theirs, options, str(tmp_path / "loaded.pt"), layout)
 
     folder = Path(ours)
     if store == "s3":
