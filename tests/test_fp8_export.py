@@ -159,3 +159,31 @@ def test_bad_export_options_and_a_clashing_scale_key_are_refused_before_writing(
             no_dist=True,
         )
     assert not any((tmp_path / "b").glob("*.safetensors")) if (tmp_path / "b").exists() else True
+
+
+def test_hf_dcp_verify_takes_an_fp8_export_with_its_config(tmp_path) -> None:
+    """The scales beside the FP8 weights are parts of the model's tensors, not strays; a key
+    that is nobody's part still is one."""
+    from hf_dcp_storage import verify_checkpoint
+    from tests.support.models import tiny_llama
+
+    model = tiny_llama()
+    config = model.config.to_dict()
+    dcp.save(
+        model.state_dict(),
+        storage_writer=HFStorageWriter(tmp_path / "fp8", companions={"config.json": config}),
+        planner=HFSavePlanner(quantize="fp8_block"),
+        no_dist=True,
+    )
+    assert "quantization_config" in json.loads((tmp_path / "fp8" / "config.json").read_text())
+    report = verify_checkpoint(tmp_path / "fp8")
+    assert report.ok, report.problems
+    state = dict(model.state_dict()) | {"model.stray.weight_scale_inv": torch.ones(1, 1)}
+    dcp.save(
+        state,
+        storage_writer=HFStorageWriter(tmp_path / "stray", companions={"config.json": config}),
+        planner=HFSavePlanner(quantize="fp8_block"),
+        no_dist=True,
+    )
+    report = verify_checkpoint(tmp_path / "stray")
+    assert [p.key for p in report.problems] == ["model.stray.weight_scale_inv"]

@@ -6,8 +6,10 @@ hold: a tensor the model needs that no file holds (``from_pretrained`` would ini
 random), a tensor of another shape (``from_pretrained`` refuses it), and a tensor the model has
 no place for (dropped on load, so most likely a key-mapping mistake) are each a problem. A key
 the model ties to another one (``lm_head.weight`` to the embedding) may be missing when the
-other is there, as ``save_pretrained`` writes it. Where ``transformers`` is not installed, or
-does not know the config's model, the check is skipped with a note.
+other is there, as ``save_pretrained`` writes it. With a ``quantization_config``, a weight's
+scales (FP8's ``weight_scale_inv``) and MXFP4's ``_blocks`` and ``_scales`` count as parts of the
+model's tensor. Where ``transformers`` is not installed, or does not know the config's model, the
+check is skipped with a note.
 """
 
 from __future__ import annotations
@@ -48,10 +50,22 @@ def config_problems(
     if isinstance(expected, str):
         return [], f"{CONFIG_NAME} not checked against the weights: {expected}"
     out: list[tuple[str | None, str]] = []
+    # A quantized folder (quantization_config) holds each quantized weight's scales beside it
+    # (FP8: ``X.weight_scale_inv``), or the weight as ``X_blocks`` and ``X_scales`` (MXFP4).
+    parts = {
+        k: base
+        for k in shapes
+        if isinstance(fields.get("quantization_config"), dict)
+        and (base := _quantized_of(k)) is not None
+        and base in expected
+    }
+    as_parts = set(parts.values()) - set(shapes)
     missing = [
-        k for k in expected if k not in shapes and not any(t in shapes for t in tied.get(k, ()))
+        k
+        for k in expected
+        if k not in shapes and k not in as_parts and not any(t in shapes for t in tied.get(k, ()))
     ]
-    extra = [k for k in shapes if k not in expected]
+    extra = [k for k in shapes if k not in expected and k not in parts]
     wrong = [k for k in expected if k in shapes and tuple(shapes[k]) != expected[k]]
     for kind, keys in (("missing", missing), ("shape", wrong), ("extra", extra)):
         say = _SAY[kind]
@@ -63,6 +77,15 @@ def config_problems(
         if len(keys) > _SHOWN:
             out.append((None, f"{CONFIG_NAME}: {len(keys) - _SHOWN} more tensors ({kind})"))
     return out, None
+
+
+def _quantized_of(key: str) -> str | None:
+    """The model tensor a quantized folder's ``key`` is part of: ``X.weight`` for FP8's
+    ``X.weight_scale_inv``, ``X`` for MXFP4's ``X_blocks`` and ``X_scales``; else ``None``."""
+    for suffix in ("_scale_inv", "_blocks", "_scales"):
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return None
 
 
 def _model_shapes(
