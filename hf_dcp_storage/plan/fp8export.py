@@ -174,6 +174,7 @@ class Fp8Export:
         # (weight key, chunk offsets) -> its blocks' amax (those its chunk touches), and where
         # the first of them is (global block row, column).
         self._amax: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, int]]] = {}
+        self._chunks: dict[str, list[tuple[torch.Tensor, tuple[int, int]]]] = {}  # by key
         self._scales: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]] = {}
 
     def local(
@@ -206,6 +207,7 @@ class Fp8Export:
             amax = fp8_block_amax(chunk_of(item), offsets, self.block)
             first = (offsets[0] // self.block[0], offsets[1] // self.block[1])
             self._amax[(key, offsets)] = (amax, first)
+            self._chunks.setdefault(key, []).append((amax, first))
             for i, j in cut_blocks(offsets, sizes, td.size, self.block):
                 value = float(amax[i - first[0], j - first[1]])
                 parts.setdefault(key, []).append((i, j, value))
@@ -224,9 +226,8 @@ class Fp8Export:
     def agreed(self, parts: Parts | None) -> None:
         """Take each cut block's agreed amax (the coordinator's ``agree``)."""
         for key, blocks in (parts or {}).items():
-            chunks = [(a, f) for (k, _), (a, f) in self._amax.items() if k == key]
             for i, j, value in blocks:
-                for amax, (f0, f1) in chunks:
+                for amax, (f0, f1) in self._chunks.get(key, ()):
                     if 0 <= i - f0 < amax.shape[0] and 0 <= j - f1 < amax.shape[1]:
                         amax[i - f0, j - f1] = value
 
