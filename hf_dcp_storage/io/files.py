@@ -236,8 +236,8 @@ def load_weight_map(
         if single is None:
             raise FileNotFoundError(
                 f"{fsio.url_of(fs, root)} is not an HF checkpoint: it has neither {INDEX_NAME} "
-                f"nor {SINGLE_FILE_NAME} (nor PEFT's {ADAPTER_FILE_NAME}; an unfinished save has "
-                "no index); point to the folder that holds them"
+                f"nor {SINGLE_FILE_NAME} (an unfinished save has no index), nor PEFT's "
+                f"{ADAPTER_FILE_NAME}; point to the folder that holds them"
             )
         read = read_head if keep else read_header
         header = read(fs, root, single, read_range)
