@@ -350,7 +350,7 @@ class HFStorageReader(StorageReader):
             return {}
         assert self.dequantize is not None
         scales = read_scales(
-            {key: q.scale_key for key, q in quant.items()},
+            (q.scale_key for q in quant.values()),
             self.storage_data.__getitem__,
             lambda file: fsio.join(self.root, file),
             reads,

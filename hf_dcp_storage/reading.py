@@ -18,7 +18,7 @@ the scales read once before (``read_scales``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ from .format.geometry import chunk_runs, element_size
 from .io.dequantizing import Dequantizer
 from .io.hostbuf import HostBuffers
 from .io.parallel import parallel_map
-from .io.slabs import SLAB_BYTES, slab_bounds, sub_chunk
+from .io.slabs import SLAB_BYTES, as_bytes, slab_bounds, sub_chunk
 from .plan.layout import parse_size
 from .plan.reads import REQUEST_BYTES
 from .stores.reads import Reads, SlabRead
@@ -364,7 +364,7 @@ def _finish(slab_view: tuple[_Slab, memoryview]) -> None:
 
 
 def read_scales(
-    decoding: Mapping[str, str],
+    keys: Iterable[str],
     stored_of: Callable[[str], C],
     path_of: Callable[[str], str],
     reads: Reads,
@@ -375,8 +375,8 @@ def read_scales(
     url_of: Callable[[str], str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """(each rank) Read the scales of a load's quantized weights, whole, in one batch before the
-    weights: ``decoding`` maps each weight's key to its scales' key, ``stored_of(key)`` says where
-    a tensor's bytes are. Returns ``{scale key: tensor}``. With ``url_of`` (``verify``), each is
+    weights: ``keys`` are the scale tensors' keys, ``stored_of(key)`` says where a tensor's bytes
+    are. Returns ``{scale key: tensor}``. With ``url_of`` (``verify``), each is
     checked against its CRC32.
 
     Raises:
@@ -385,10 +385,10 @@ def read_scales(
     _, in_flight, request_bytes = request_budget(buffer_size)
     scales: dict[str, torch.Tensor] = {}
     slabs: list[SlabRead] = []
-    for key in sorted(set(decoding.values())):
+    for key in sorted(set(keys)):
         where = stored_of(key)
         scales[key] = tensor = torch.empty(where.shape, dtype=where.dtype)
-        view = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        view = as_bytes(tensor)  # contiguous and on the CPU: a view, no copy
         if len(view):
             slabs.append((path_of(where.file), where.start, [(0, 0, len(view))], view))
     if slabs:
@@ -399,7 +399,7 @@ def read_scales(
     for key, tensor in scales.items():
         if url_of is not None:
             where = stored_of(key)
-            crc = crc32_of(tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
+            crc = crc32_of(as_bytes(tensor))
             _check_crc(where, crc, url_of(where.file))
     return scales
 

@@ -17,7 +17,7 @@ rank reads and dequantizes only the blocks its slice touches. Pure: tensors in, 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -82,6 +82,19 @@ def _pair(block: int | Sequence[int]) -> tuple[int, int]:
     return (block, block) if isinstance(block, int) else (int(block[0]), int(block[1]))
 
 
+def _block_rows(r0: int, nr: int, br: int) -> Iterator[tuple[int, int, int]]:
+    """``(i, a, b)`` for each block row a slice of ``nr`` rows from global row ``r0`` crosses:
+    its index ``i`` among the slice's block rows and the slice's rows ``[a, b)`` in it."""
+    starts = [0, *range(br - r0 % br, nr, br)]
+    yield from ((i, a, b) for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)))
+
+
+@functools.cache
+def _codes(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each of the 256 codes of a float8 ``dtype``."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+
+
 def fp8_block_dequantize(
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -137,7 +150,7 @@ def _fp8_lookup(
     result: torch.Tensor,
 ) -> None:
     (br, bc), (nr, nc) = block, weight.shape
-    codes = torch.arange(256, dtype=torch.uint8).view(weight.dtype).to(torch.float32)
+    codes = _codes(weight.dtype)
     as_int = _INT_OF_SIZE[result.element_size()]
     res = result.view(as_int)
     stored = weight.contiguous().view(torch.uint8)
@@ -145,8 +158,7 @@ def _fp8_lookup(
     first = torch.div(torch.arange(skip[1], skip[1] + nc), bc, rounding_mode="floor")
     column_base = (first * 256).to(torch.int32)
     index = torch.empty(min(br, nr), nc, dtype=torch.int32)
-    starts = [0, *range(br - skip[0], nr, br)]  # each block row's first row in the slice
-    for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
+    for i, a, b in _block_rows(skip[0], nr, br):
         # The reader's math for all 256 codes of each block of the row: float32 times the
         # scale (promoted to float32 where narrower), cast to the dtype.
         scales = scale_inv[i, : int(first[-1]) + 1, None].to(torch.float32)
@@ -228,8 +240,7 @@ def fp8_block_amax(
         return amax
     skip = c0 % bc
     padded = torch.zeros(min(br, nr), amax.shape[1] * bc, dtype=torch.float32)
-    starts = [0, *range(br - r0 % br, nr, br)]
-    for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
+    for i, a, b in _block_rows(r0, nr, br):
         padded[: b - a, skip : skip + nc] = chunk[a:b].abs()
         amax[i] = padded[: b - a].view(b - a, -1, bc).amax(dim=(0, 2))
         padded[: b - a, skip : skip + nc] = 0
@@ -251,8 +262,7 @@ def fp8_block_quantize_with(
     factor = FP8_MAX / amax.clamp(min=FP8_AMAX_FLOOR)
     out = torch.empty(nr, nc, dtype=torch.float8_e4m3fn)
     skip = c0 % bc
-    starts = [0, *range(br - r0 % br, nr, br)]
-    for i, (a, b) in enumerate(zip(starts, [*starts[1:], nr], strict=True)):
+    for i, a, b in _block_rows(r0, nr, br):
         row = factor[i].repeat_interleave(bc)[skip : skip + nc]
         out[a:b] = chunk[a:b].to(torch.float32) * row
     return out

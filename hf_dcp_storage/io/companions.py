@@ -20,6 +20,7 @@ from typing import Any
 
 from ..format.index import INDEX_NAME, SHARD_NAME_RE, SINGLE_FILE_NAME
 from . import fsio
+from .files import CONFIG_NAME
 
 __all__ = [
     "COMPANION_NAMES",
@@ -168,10 +169,10 @@ def with_quantization_config(
             ``quantization_config``.
     """
     out = dict(files)
-    if quantization is None or "config.json" not in out:
+    if quantization is None or CONFIG_NAME not in out:
         return out
     try:
-        config = json.loads(out["config.json"])
+        config = json.loads(out[CONFIG_NAME])
     except ValueError as exc:
         raise ValueError(f"companions['config.json'] is not JSON ({exc}); fix it") from None
     if not isinstance(config, dict):
@@ -184,5 +185,5 @@ def with_quantization_config(
             "save adds its own)"
         )
     config["quantization_config"] = dict(quantization)
-    out["config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
+    out[CONFIG_NAME] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
     return out

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 
 import torch
 
+from ..io.files import CONFIG_NAME
+
 __all__ = ["CONFIG_NAME", "config_problems"]
 
-CONFIG_NAME = "config.json"
 # Problems listed per kind before the rest are counted: a wrong config gives one per tensor.
 _SHOWN = 8
 _SAY = {
