@@ -7,16 +7,16 @@ repeat by repeat, each a fresh job:
             every rank writes its own shards of one consolidated HF folder
   full_hf   torchtune's ``FullModelHFCheckpointer``: the client gathers the full model onto rank 0
             (``training.gather_cpu_state_dict``), which converts and writes the HF files alone
-  dcp       torchtune's ``DistributedCheckpointer.save_checkpoint({"model": ...}, save_async=False)``:
-            every rank writes ``.distcp`` files (DCP's own format, not an HF folder). Called
-            directly: 0.6.1's client passes it ``intermediate_checkpoint=``, which it does not take
+  dcp       torchtune's ``DistributedCheckpointer.save_checkpoint({"model": ...})``: every rank
+            writes ``.distcp`` files (DCP's own format, not an HF folder). Called directly:
+            0.6.1's client passes it ``intermediate_checkpoint=``, which it does not take
 
 ``save s`` is the slowest rank's call (all ranks leave together); ``durable s`` adds an
 ``os.sync()`` after it, since the contenders leave different amounts in the page cache
 (``FileSystemWriter`` with ``sync_files=False``, safetensors' ``save_file``, ours' direct I/O).
 The machine has 2 cores: with more ranks per host, the gather's single writer loses more.
-Usage (in .venv-integrations, which has torchtune):
-``python -m benchmarks.bench_torchtune --repeats 5 --md-out benchmarks/results/torchtune-cpu-2core.md``.
+Usage (in .venv-integrations, which has torchtune): ``python -m benchmarks.bench_torchtune
+--repeats 5 --md-out benchmarks/results/torchtune-cpu-2core.md``.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def rank_main(rank: int, world: int, job: dict) -> None:
             "checkpoint_dir": job["base"],
             "output_dir": out,
             "model_type": "LLAMA3",
-            "companions": None,
+            "companions": {},
         },
         "full_hf": {
             "_component_": "torchtune.training.FullModelHFCheckpointer",
@@ -236,7 +236,7 @@ def _table(rows: list[dict], args: argparse.Namespace, dims: dict[str, int]) -> 
             f"{dims['num_layers']}-layer Llama 3 in bf16, {args.repeats} repeats, git {git_rev()})"
         ),
         "",
-        "| contender | GB written | median save s | runs s | median durable s | save: this / ours |",
+        "| contender | GB written | median save s | runs s | median durable s | this / ours |",
         "|---|---:|---:|---|---:|---:|",
     ]
     for name in CONTENDERS:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -158,8 +158,8 @@ class HFCheckpointer(DistributedCheckpointer):
             ``config.json`` (its shape parameters drive the key converter) and the weights.
         output_dir: the run folder; ``step_N`` folders go under it.
         model_type: torchtune's ``ModelType`` name, one of ``SUPPORTED_MODEL_TYPES``.
-        checkpoint_files: accepted for torchtune configs; when given, each must be a weights file
-            of the base folder's index (the files are found through the index).
+        checkpoint_files: accepted for torchtune configs; when given as a list, each must be a
+            file of the base folder (the weights are found through its index either way).
         should_load_recipe_state: set by torchtune's client (``resume_from_checkpoint`` with
             ``enable_async_checkpointing: False``): ``load_checkpoint()`` then returns the newest
             complete step as full tensors on every rank, weights and optimizer, which the recipe
@@ -171,8 +171,9 @@ class HFCheckpointer(DistributedCheckpointer):
             not an option (torchtune 0.6.1 on CPU: see docs/trainers.md).
         keep_last_n, keep_every, storage_options, max_shard_size, thread_count, retry,
         async_mode: passed to ``CheckpointManager``.
-        companions: files written into every step folder; by default the base folder's
-            ``config.json``, generation config and tokenizer files (``None`` writes none).
+        companions: files written into every step folder (``HFStorageWriter(companions=)``);
+            ``None``: the base folder's ``config.json``, generation config and tokenizer files;
+            ``{}``: none.
 
     Raises:
         ValueError: an unsupported ``model_type``, naming the supported ones.
@@ -195,7 +196,7 @@ class HFCheckpointer(DistributedCheckpointer):
         retry: RetryPolicy | None = None,
         async_mode: str = "thread",
         async_save: bool = False,
-        companions: Any = "checkpoint_dir",
+        companions: Any = None,
     ) -> None:
         if model_type not in _CONVERTERS:
             raise ValueError(
@@ -207,7 +208,8 @@ class HFCheckpointer(DistributedCheckpointer):
         self._checkpoint_dir, self._output_dir = str(checkpoint_dir), str(output_dir)
         self._checkpoint_files = checkpoint_files
         self._should_load_recipe_state = should_load_recipe_state or resume_from_checkpoint
-        self._storage_options = storage_options
+        # OmegaConf hands a config's mappings over as DictConfig: plain dicts go on to fsspec.
+        self._storage_options = storage_options = _plain(storage_options)
         self._thread_count, self._retry = thread_count, retry
         fs, base = locate(self._checkpoint_dir, storage_options)
         self._config = json.loads(fs.cat_file(posixpath.join(base, "config.json")))
@@ -223,7 +225,7 @@ class HFCheckpointer(DistributedCheckpointer):
             thread_count=thread_count,
             retry=retry,
             async_mode=async_mode,
-            companions=self._checkpoint_dir if companions == "checkpoint_dir" else companions,
+            companions=self._checkpoint_dir if companions is None else _plain(companions),
         )
 
     # -- save ---------------------------------------------------------------------------------
@@ -384,6 +386,16 @@ class HFCheckpointer(DistributedCheckpointer):
                 f"checkpoint_files {missing} are not in {self._checkpoint_dir}; leave "
                 "checkpoint_files out: the folder's index names its weights files"
             )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every mapping a ``dict`` and every other sequence a ``list`` (OmegaConf's
+    ``DictConfig`` and ``ListConfig`` are neither); strings and bytes as they are."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _param_names(model: Mapping[str, Any], optim: Any) -> list[str] | None:

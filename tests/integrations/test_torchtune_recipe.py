@@ -71,7 +71,8 @@ def _tokenizer_and_data(folder: Path) -> None:
     import sentencepiece
 
     rng = random.Random(0)
-    words = ["the", "a", "model", "trains", "on", "small", "data", "about", "cats", "dogs"]
+    words = ["the", "a", "model", "trains", "on", "small", "data", "and", "learns", "to"]
+    words += ["answer", "about", "cats", "dogs", "trees"]
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))) for _ in range(400)]
     (folder / "corpus.txt").write_text("\n".join(lines))
     sentencepiece.SentencePieceTrainer.train(
