@@ -44,6 +44,7 @@ _TRAINERS = {
     "integrations.lightning": "lightning",
     "integrations.peft": "peft",
     "integrations.torchtune": "torchtune",
+    "integrations.accelerate": "accelerate",
 }
 MAX_LINES, MAX_WRITER_LINES = 450, 400
 # The calls that send a request through s3fs's botocore client, and the module names that may.

@@ -48,6 +48,7 @@ slices of the base model instead, for loops that build the sharded model first.
 
 from __future__ import annotations
 
+import importlib
 import json
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
@@ -61,7 +62,6 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 try:
     import torchtune
     from torchtune import training
-    from torchtune.models import convert_weights
     from torchtune.training.checkpointing._checkpoint_client import CheckpointClient
     from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
 except ImportError as exc:  # pragma: no cover - exercised where torchtune is absent
@@ -96,55 +96,47 @@ _SUPPORTED_TORCHTUNE = ("0.6.",)
 Converter = Callable[[dict[str, Any]], dict[str, Any]]
 
 
-def _llama_like(cfg: Mapping[str, Any], module: Any, to_hf: str, from_hf: str) -> tuple[Any, Any]:
-    args = {
-        "num_heads": cfg["num_attention_heads"],
-        "num_kv_heads": cfg["num_key_value_heads"],
-        "dim": cfg["hidden_size"],
-        "head_dim": cfg.get("head_dim"),
-    }
-    return (
-        lambda sd: getattr(module, to_hf)(sd, **args),
-        lambda sd: getattr(module, from_hf)(sd, **args),
-    )
+def _pair(
+    module_name: str, to_hf: str, from_hf: str, *, tied: bool = False
+) -> Callable[[Mapping[str, Any]], tuple[Converter, Converter]]:
+    """torchtune's converter pair ``module_name.to_hf`` / ``from_hf``, given the shape
+    parameters of a ``config.json``: head_dim, or (``tied``) tie_word_embeddings as well."""
+
+    def make(cfg: Mapping[str, Any]) -> tuple[Converter, Converter]:
+        module = importlib.import_module(module_name)
+        args = {
+            "num_heads": cfg["num_attention_heads"],
+            "num_kv_heads": cfg["num_key_value_heads"],
+            "dim": cfg["hidden_size"],
+        }
+        if tied:
+            args["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)
+        else:
+            args["head_dim"] = cfg.get("head_dim")
+        return (
+            lambda sd: getattr(module, to_hf)(sd, **args),
+            lambda sd: getattr(module, from_hf)(sd, **args),
+        )
+
+    return make
 
 
-def _qwen2(cfg: Mapping[str, Any]) -> tuple[Converter, Converter]:
-    from torchtune.models.qwen2 import _convert_weights as qwen2
-
-    args = {
-        "num_heads": cfg["num_attention_heads"],
-        "num_kv_heads": cfg["num_key_value_heads"],
-        "dim": cfg["hidden_size"],
-        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
-    }
-    return (
-        lambda sd: qwen2.qwen2_tune_to_hf(sd, **args),
-        lambda sd: qwen2.qwen2_hf_to_tune(sd, **args),
-    )
-
-
-def _gemma2(cfg: Mapping[str, Any]) -> tuple[Converter, Converter]:
-    from torchtune.models.gemma2 import _convert_weights as gemma2
-
-    return _llama_like(cfg, gemma2, "gemma2_tune_to_hf", "gemma2_hf_to_tune")
-
-
-def _default(cfg: Mapping[str, Any]) -> tuple[Converter, Converter]:
-    return _llama_like(cfg, convert_weights, "tune_to_hf", "hf_to_tune")
-
-
+_LLAMA = _pair("torchtune.models.convert_weights", "tune_to_hf", "hf_to_tune")
 # The model types whose converters rename keys and permute rows within a tensor, which works on
 # sharded DTensors; the others (PHI3_MINI/PHI4 fuse q, k and v into one tensor, the vision and
 # reward models) are refused by name.
-_CONVERTERS: dict[str, Callable[[Mapping[str, Any]], tuple[Converter, Converter]]] = {
-    "LLAMA2": _default,
-    "LLAMA3": _default,
-    "LLAMA3_2": _default,
-    "MISTRAL": _default,
-    "GEMMA": _default,
-    "QWEN2": _qwen2,
-    "GEMMA2": _gemma2,
+_CONVERTERS = {
+    "LLAMA2": _LLAMA,
+    "LLAMA3": _LLAMA,
+    "LLAMA3_2": _LLAMA,
+    "MISTRAL": _LLAMA,
+    "GEMMA": _LLAMA,
+    "QWEN2": _pair(
+        "torchtune.models.qwen2._convert_weights", "qwen2_tune_to_hf", "qwen2_hf_to_tune", tied=True
+    ),
+    "GEMMA2": _pair(
+        "torchtune.models.gemma2._convert_weights", "gemma2_tune_to_hf", "gemma2_hf_to_tune"
+    ),
 }
 SUPPORTED_MODEL_TYPES = tuple(_CONVERTERS)
 
@@ -255,8 +247,9 @@ class HFCheckpointer(DistributedCheckpointer):
         if step is not None:
             state.setdefault(training.STEPS_KEY, step)
         number = self._step_number(state, epoch)
-        # Always present (None when unknown), so that a resume can ask for it.
+        # Always present (None when unknown), so that a resume can ask for them.
         state.setdefault(training.STEPS_KEY, None)
+        state.setdefault(training.DATALOADER_KEY, None)
         if training.OPT_KEY in state:
             state[_PARAM_NAMES] = _param_names(model, state[training.OPT_KEY])
         background = save_async or (self._async_save and intermediate_checkpoint)
@@ -288,8 +281,10 @@ class HFCheckpointer(DistributedCheckpointer):
         loaded into it in place, resharded, plus the dataloader's state it saved.
 
         Raises:
-            ValueError: a resume asked of the synchronous path (see the class's arguments).
-            FileNotFoundError: no complete step to resume from.
+            FileNotFoundError: no complete step to resume from, or the step is a final one
+                (weights only: torchtune saves no recipe state with it).
+            ValueError: a ``checkpoint_path`` that is not a ``step_N`` folder; a synchronous
+                resume from a step whose optimizer numbers do not pair with the model's keys.
         """
         if state_dict is None:
             if self._should_load_recipe_state:
