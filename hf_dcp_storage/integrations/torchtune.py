@@ -49,7 +49,6 @@ slices of the base model instead, for loops that build the sharded model first.
 from __future__ import annotations
 
 import importlib
-import json
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -72,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torchtune is ab
 
 from .. import RetryPolicy
 from ..reader import HFStorageReader
-from ..steps.folder import locate
+from ..steps.folder import missing, read_config
 from ..steps.manager import CheckpointManager
 from ..steps.retention import step_name
 
@@ -80,15 +79,9 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "HFCheckpointer"]
 
 # The training-state entry that names the optimizer's parameter numbers (``_param_names``).
 _PARAM_NAMES = "hf_dcp_param_names"
-_PROGRESS_KEYS = (
-    training.OPT_KEY,
-    training.SEED_KEY,
-    training.EPOCHS_KEY,
-    training.TOTAL_EPOCHS_KEY,
-    training.MAX_STEPS_KEY,
-    training.STEPS_KEY,
-    training.DATALOADER_KEY,
-)
+# What a synchronous resume returns besides the weights (``_load_full_step``).
+_PROGRESS_KEYS = [training.OPT_KEY, training.SEED_KEY, training.EPOCHS_KEY, training.STEPS_KEY]
+_PROGRESS_KEYS += [training.TOTAL_EPOCHS_KEY, training.MAX_STEPS_KEY, training.DATALOADER_KEY]
 
 # torchtune's releases whose CheckpointClient this module's one override was written against.
 _SUPPORTED_TORCHTUNE = ("0.6.",)
@@ -203,8 +196,14 @@ class HFCheckpointer(DistributedCheckpointer):
         # OmegaConf hands a config's mappings over as DictConfig: plain dicts go on to fsspec.
         self._storage_options = storage_options = _plain(storage_options)
         self._thread_count, self._retry = thread_count, retry
-        fs, base = locate(self._checkpoint_dir, storage_options)
-        self._config = json.loads(fs.cat_file(posixpath.join(base, "config.json")))
+        config = read_config(self._checkpoint_dir, storage_options)
+        if config is None:
+            raise FileNotFoundError(
+                f"checkpoint_dir={self._checkpoint_dir!r} has no config.json: HFCheckpointer reads "
+                "the model's shape from it (num_attention_heads, num_key_value_heads, "
+                "hidden_size) for torchtune's key converter; copy the model's config.json there"
+            )
+        self._config = config
         self._to_hf, self._from_hf = _CONVERTERS[model_type](self._config)
         self._steps_per_epoch: int | None = None
         self._async_save = async_save
@@ -374,11 +373,10 @@ class HFCheckpointer(DistributedCheckpointer):
         # not files; the list form names files, each of which must be in the folder.
         if not isinstance(self._checkpoint_files, list):
             return
-        fs, base = locate(self._checkpoint_dir, self._storage_options)
-        missing = [f for f in self._checkpoint_files if not fs.exists(posixpath.join(base, f))]
-        if missing:
+        absent = missing(self._checkpoint_dir, self._storage_options, self._checkpoint_files)
+        if absent:
             raise ValueError(
-                f"checkpoint_files {missing} are not in {self._checkpoint_dir}; leave "
+                f"checkpoint_files {absent} are not in {self._checkpoint_dir}; leave "
                 "checkpoint_files out: the folder's index names its weights files"
             )
 

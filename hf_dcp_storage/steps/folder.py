@@ -30,7 +30,7 @@ from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..io import fsio
+from ..io import files, fsio
 from ..io.companions import Companions
 from ..reader import HFStorageReader
 from ..writer import HFStorageWriter
@@ -46,8 +46,10 @@ __all__ = [
     "is_complete",
     "load",
     "locate",
+    "missing",
     "prepare",
     "rank_file",
+    "read_config",
     "write_rank_state",
     "writers",
 ]
@@ -58,6 +60,20 @@ TRAINING_STATE_DIR = "training_state"
 def locate(url: str, storage_options: dict[str, Any] | None) -> tuple[AbstractFileSystem, str]:
     """``(filesystem, path)`` of a checkpoint folder given as a local path or any fsspec URL."""
     return fsio.resolve(url, storage_options)
+
+
+def read_config(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``config.json`` of the folder at ``url``, read from the store, or ``None`` if it has
+    none."""
+    fs, root = locate(url, storage_options)
+    return files.read_config(fs, root)
+
+
+def missing(url: str, storage_options: dict[str, Any] | None, names: list[str]) -> list[str]:
+    """Those of ``names`` (file names) that the folder at ``url`` does not hold, asked of the
+    store."""
+    fs, root = locate(url, storage_options)
+    return [n for n in names if not fsio.exists(fs, fsio.join(root, n))]
 
 
 def rank_file(rank: int) -> str:
