@@ -1,10 +1,11 @@
 """accelerate (the PyPI package) with ``hf_dcp_storage.integrations.accelerate``, on 2 CPU gloo
-ranks, a tiny ``transformers`` Llama sharded with FSDP2 (``_accelerate_ranks.py``).
+ranks, a tiny ``transformers`` Llama sharded with FSDP2 (``tests/support/accelerate_ranks.py``).
 
 accelerate 1.16 refuses FSDP on CPU (``accelerate/state.py`` 947-974: ``DistributedType.FSDP``
 only for the GPU-like ``MULTI_*`` types; ``Accelerator(cpu=True)`` is ``MULTI_CPU`` and the plugin
 is dropped). The ``save_state`` and ``Trainer`` jobs set the distributed type to FSDP by hand after
-the Accelerator is made (``_accelerate_ranks.py``); the others need no Accelerator in FSDP mode.
+the Accelerator is made (``tests/support/accelerate_ranks.py``); the others need no Accelerator in
+FSDP mode.
 Each is an uninterrupted job (save part-way, train on) and a fresh job (another init) that loads
 the save and trains on to the same end, once for the module:
 
@@ -17,7 +18,11 @@ the save and trains on to the same end, once for the module:
    loads step 3;
 4. a LoRA adapter saved by ``save_fsdp_model(adapter_only=True)``, routed, on S3;
 5. HF ``Trainer`` (6 steps, ``checkpoint-N`` every 2, ``save_total_limit=2``) resumed from
-   ``checkpoint-4`` (local disk: Trainer makes its folders with ``os.makedirs``).
+   ``checkpoint-4``, on local disk and on S3 through ``TrainerCheckpointMirror`` (Trainer's
+   ``output_dir`` a local staging folder; the resume from a fresh one).
+
+A kill during a save (the job SIGKILLed once rank 1's weights are written, ``run_job``) is a job
+of its own, for ``AcceleratorCheckpoints`` and for ``Trainer`` on S3.
 """
 
 from __future__ import annotations
@@ -28,11 +33,8 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip(
-    "accelerate",
-    reason="accelerate is not installed in this interpreter: tests/test_integrations.py runs "
-    "tests/integrations in .venv-integrations (created by scripts/setup/integrations_venv.sh)",
-)
+pytest.importorskip("accelerate")
+pytest.importorskip("peft")
 
 import accelerate
 import accelerate.utils
@@ -40,9 +42,11 @@ import fsspec
 import torch
 
 from hf_dcp_storage.integrations.accelerate import AcceleratorCheckpoints, route_fsdp_checkpoints
-from tests.integrations import _accelerate_ranks as ranks
-from tests.integrations._accelerate_ranks import SAVE_AT, STEPS
+from hf_dcp_storage.integrations.accelerate_trainer import TrainerCheckpointMirror
+from tests.support import accelerate_ranks as ranks
+from tests.support.accelerate_ranks import SAVE_AT, STEPS
 from tests.support.dist import run_ranks
+from tests.support.jobs import run_job
 from tests.support.storage_options import fresh_bucket, s3_storage_options
 
 WORLD = 2
@@ -75,6 +79,12 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> Any:
             "steps": _pair(ranks.step_checkpoints_run, out / "steps", run_url, options),
             "trainer": _pair(ranks.trainer_run, out / "trainer", str(out / "trainer_out")),
         }
+        # Trainer to S3 through a mirror; the resume from a fresh staging folder (a new machine).
+        remote = f"{bucket}/trainer"
+        for name, resume in (("first", False), ("resumed", True)):
+            staging, records = str(out / f"staging_{name}"), str(out / "trainer_s3" / name)
+            run_ranks(ranks.trainer_run, WORLD, staging, records, resume, remote, options, None, 4)
+        done["trainer_s3"] = {k: _records(out / "trainer_s3" / k) for k in ("first", "resumed")}
         run_ranks(ranks.peft_run, WORLD, f"{bucket}/adapter", options, str(out / "peft"))
         fs, root = fsspec.core.url_to_fs(bucket, **s3_storage_options(moto_endpoint))
         mirror = out / "s3"
@@ -237,8 +247,7 @@ def test_a_peft_adapter_through_the_routed_function_loads_in_peft(jobs: dict[str
     assert saved.keys() == adapter.keys() and all(torch.equal(saved[k], adapter[k]) for k in saved)
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(ranks.hf_config())
-    config = ranks.lora_config(peft.LoraConfig.from_pretrained(folder))
-    model = peft.PeftModel.from_pretrained(base, folder, config=config)
+    model = peft.PeftModel.from_pretrained(base, folder)
     loaded = peft.get_peft_model_state_dict(model)
     assert loaded.keys() == adapter.keys()
     assert all(torch.equal(loaded[k], adapter[k]) for k in adapter)
@@ -297,3 +306,105 @@ def test_an_optimizer_state_of_another_model_is_refused_naming_the_tensor(tmp_pa
             accelerate.utils.load_fsdp_optimizer(
                 None, None, torch.optim.AdamW(one.parameters()), one, str(tmp_path)
             )
+
+
+def test_trainer_checkpoints_to_s3_rotate_commit_and_resume_bitwise(jobs: dict[str, Any]) -> None:
+    run = jobs["trainer_s3"]
+    assert [r["global_step"] for r in run["resumed"]] == [6, 6]
+    assert run["resumed"][0]["resumed_from"] == str(
+        jobs["out"] / "staging_resumed" / "checkpoint-4"
+    )
+    _assert_bitwise(run["first"], run["resumed"])
+    _assert_bitwise(jobs["trainer"]["first"], run["first"])  # the same run as on local disk
+    root = jobs["s3"] / "trainer"
+    # save_total_limit=2 applied on the bucket: checkpoint-2 removed; each one committed last.
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    ckpt = root / "checkpoint-6"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "COMMITTED",
+        "optimizer_0",
+        "pytorch_model_fsdp_0",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "scheduler.pt",
+        "trainer_state.json",
+    ]
+    marker = json.loads((ckpt / "COMMITTED").read_text())
+    assert marker["step"] == 6 and marker["world_size"] == WORLD
+    # The heavy parts never touched the staging folder: Trainer's files only, empty folders none.
+    staged = jobs["out"] / "staging_first" / "checkpoint-6"
+    assert sorted(p.name for p in staged.iterdir()) == [
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "scheduler.pt",
+        "trainer_state.json",
+    ]
+    _assert_from_pretrained(ckpt / "pytorch_model_fsdp_0", run["first"][0]["full_at_save"])
+
+
+def test_a_kill_during_a_trainer_save_to_s3_leaves_the_previous_checkpoint_latest(
+    jobs: dict[str, Any], moto_s3: tuple[str, dict], tmp_path: Path
+) -> None:
+    bucket, options = moto_s3
+    remote = f"{bucket}/trainer"
+    env = {"HF_HUB_OFFLINE": "1"}
+    killed = run_job(
+        ranks.trainer_run,
+        WORLD,
+        *(str(tmp_path / "staging_killed"), str(tmp_path / "unused"), False, remote, options, 2),
+        timeout=300,
+        env=env,
+    )
+    assert killed.how() == ["killed", "killed"], [r.error[-3000:] for r in killed.ranks]
+    fs, root = fsspec.core.url_to_fs(remote, **options)
+    routing = route_fsdp_checkpoints(storage_options=options)
+    mirror = TrainerCheckpointMirror(remote, tmp_path / "staging_new", routing, options)
+    try:
+        assert mirror.latest() == 2  # checkpoint-4 was being saved: not complete, not latest
+        assert not fs.exists(f"{root}/checkpoint-4/COMMITTED")
+        with pytest.raises(FileNotFoundError, match=r"checkpoint-4 is not a complete.*: \[2\]"):
+            mirror.resume_checkpoint(4)
+    finally:
+        mirror.remove()
+    # A fresh job resumes from the newest complete checkpoint, and ends where an uninterrupted
+    # run ends, bit for bit; the incomplete checkpoint-4 is replaced by a complete one.
+    after = tmp_path / "after"
+    run_ranks(
+        ranks.trainer_run, WORLD, str(tmp_path / "staging_new"), str(after), True, remote, options
+    )
+    resumed = _records(after)
+    assert resumed[0]["resumed_from"] == str(tmp_path / "staging_new" / "checkpoint-2")
+    _assert_bitwise(jobs["trainer_s3"]["first"], resumed)
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root)) == ["checkpoint-4", "checkpoint-6"]
+    assert all(fs.exists(f"{root}/checkpoint-{step}/COMMITTED") for step in (4, 6))
+
+
+def test_a_kill_during_a_step_save_leaves_the_previous_step_latest_and_loadable(
+    moto_s3: tuple[str, dict], tmp_path: Path
+) -> None:
+    bucket, options = moto_s3
+    root = f"{bucket}/run"
+    killed = run_job(
+        ranks.killed_step_checkpoints_run,
+        WORLD,
+        root,
+        options,
+        timeout=240,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert killed.how() == ["killed", "killed"]
+    ckpts = AcceleratorCheckpoints(root, storage_options=options)
+    assert ckpts.latest() == 1  # step 2 was being saved: not complete, not latest
+    fs, path = fsspec.core.url_to_fs(root, **options)
+    assert fs.exists(f"{path}/step_1/COMMITTED") and not fs.exists(f"{path}/step_2/COMMITTED")
+    import transformers
+
+    model = transformers.LlamaForCausalLM(ranks.hf_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    extra = {"epoch": 0}
+    assert ckpts.load(model, optimizer, scheduler, extra=extra) == 1
+    # AcceleratedScheduler steps once per process per optimizer step.
+    assert extra == {"epoch": 10} and scheduler.last_epoch == WORLD
+    ckpts.close()

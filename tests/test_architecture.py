@@ -45,6 +45,7 @@ _TRAINERS = {
     "integrations.peft": "peft",
     "integrations.torchtune": "torchtune",
     "integrations.accelerate": "accelerate",
+    "integrations.accelerate_trainer": "accelerate",
 }
 MAX_LINES, MAX_WRITER_LINES = 450, 400
 # The calls that send a request through s3fs's botocore client, and the module names that may.

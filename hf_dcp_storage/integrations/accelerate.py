@@ -38,7 +38,7 @@ safetensors plus ``optimizer_state.json``. Each folder's index is written last. 
 ``state_dict_type`` and ``use_dcp`` do not matter: the state is always taken sharded. The
 functions take any fsspec URL, but ``save_state`` and ``Trainer`` ``os.makedirs`` their
 ``output_dir`` and write their own files there: with them it is a local folder; for an object
-store, call the functions themselves or use ``AcceleratorCheckpoints``.
+store, use ``AcceleratorCheckpoints``, or for ``Trainer`` ``integrations.accelerate_trainer``.
 
 **Step checkpoints on any store.** ``save_state``'s ``total_limit`` and ``Trainer``'s
 ``save_total_limit`` list and delete with ``os`` / ``shutil`` (local folders only; there they
@@ -58,6 +58,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,6 +110,7 @@ _ROUTED = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fs
 # Where accelerate 1.16 and transformers bind them (``from ..utils import save_fsdp_model``).
 _BINDERS = ("accelerate.utils.fsdp_utils", "accelerate.utils", "accelerate.accelerator")
 _TRAINER_MODULE = "transformers.trainer"
+_Path = str | os.PathLike[str]
 
 
 class FSDPRouting:
@@ -120,6 +122,13 @@ class FSDPRouting:
         self._io, self._companions = io, companions
         self._reader_io = {k: io[k] for k in ("storage_options", "thread_count")}
         self._originals: dict[str, Any] = {}
+        self.redirect(lambda p: os.fspath(p), lambda p: None)  # noqa: PLW0108 (str only)
+
+    def redirect(self, url: Callable[[_Path], str], before_save: Callable[[_Path], None]) -> None:
+        """Where the functions write and read each folder they are given (``url(folder)``) and
+        what every rank runs before a model save (``before_save(output_dir)``): by default the
+        folder itself and nothing; ``integrations.accelerate_trainer`` redirects to a store."""
+        self._url, self._before_save = url, before_save
 
     def __enter__(self) -> FSDPRouting:
         return self
@@ -161,7 +170,9 @@ class FSDPRouting:
         use_dcp: bool = True,
     ) -> None:
         """(every rank) ``model`` into ``output_dir/pytorch_model_fsdp_{model_index}``."""
-        url = _join(output_dir, f"{_MODEL_DIR}_{model_index}")
+        if model_index == 0:
+            self._before_save(output_dir)
+        url = _join(self._url(output_dir), f"{_MODEL_DIR}_{model_index}")
         if adapter_only and hasattr(model, "peft_config"):
             writer = HFStorageWriter(
                 url, **self._io, file_name=ADAPTER_FILE_NAME, companions=_peft_config(model)
@@ -183,7 +194,7 @@ class FSDPRouting:
     ) -> Any:
         """(every rank) Load what ``save_fsdp_model`` wrote into ``model``, resharded.
         ``input_dir`` may be that folder itself, as accelerate allows."""
-        url = _model_folder(input_dir, model_index)
+        url = self._url(_model_folder(input_dir, model_index))
         reader = HFStorageReader(url, **self._reader_io)
         if adapter_only and hasattr(model, "peft_config"):
             dcp.load(_peft_tensors(model), storage_reader=reader)  # into the adapter's tensors
@@ -208,7 +219,7 @@ class FSDPRouting:
         # param_groups are alike on every rank: the coordinator's copy is the one written.
         tree_json = json.dumps(tree, allow_nan=False)
         writer = HFStorageWriter(
-            _join(output_dir, f"{_OPTIMIZER_DIR}_{optimizer_index}"),
+            _join(self._url(output_dir), f"{_OPTIMIZER_DIR}_{optimizer_index}"),
             **self._io,
             companions={OPTIMIZER_STATE_NAME: tree_json},
         )
@@ -231,9 +242,9 @@ class FSDPRouting:
             KeyError: the saved state holds a tensor this optimizer has none of, naming it
                 (one this optimizer has and the folder lacks fails in DCP's load).
         """
-        url = _join(input_dir, f"{_OPTIMIZER_DIR}_{optimizer_index}")
+        url = _join(self._url(input_dir), f"{_OPTIMIZER_DIR}_{optimizer_index}")
         fs, folder = ckpt_folder.locate(url, self._io["storage_options"])
-        tree = json.loads(fs.cat_file(f"{folder.rstrip('/')}/{OPTIMIZER_STATE_NAME}"))
+        tree = json.loads(ckpt_folder.read_file(fs, f"{folder.rstrip('/')}/{OPTIMIZER_STATE_NAME}"))
         plain = _unwrap(optimizer)
         # Asking for the state creates a fresh optimizer's (torch steps it once with lr 0), so
         # every saved tensor has its sharded destination here.

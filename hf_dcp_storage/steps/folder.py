@@ -43,6 +43,7 @@ __all__ = [
     "TRAINING_STATE_DIR",
     "clear",
     "commit",
+    "entries",
     "is_complete",
     "load",
     "locate",
@@ -50,6 +51,7 @@ __all__ = [
     "prepare",
     "rank_file",
     "read_config",
+    "read_file",
     "write_rank_state",
     "writers",
 ]
@@ -74,6 +76,18 @@ def missing(url: str, storage_options: dict[str, Any] | None, names: list[str]) 
     store."""
     fs, root = locate(url, storage_options)
     return [n for n in names if not fsio.exists(fs, fsio.join(root, n))]
+
+
+def read_file(fs: AbstractFileSystem, path: str) -> bytes:
+    """The whole of a small file as it is now, asked of the store (for the integrations, which
+    reach the store through ``steps/`` only)."""
+    return fsio.read_all(fs, path)
+
+
+def entries(fs: AbstractFileSystem, directory: str) -> list[dict[str, Any]]:
+    """The listing entries (``name``, ``type``, ...) of ``directory`` now, asked of the store;
+    empty if it does not exist."""
+    return fsio.list_entries(fs, directory)
 
 
 def rank_file(rank: int) -> str:

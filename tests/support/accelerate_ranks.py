@@ -1,4 +1,4 @@
-"""What each of 2 gloo CPU ranks runs for ``test_accelerate.py`` (module-level functions: the
+"""What each of 2 gloo CPU ranks runs for ``tests/test_accelerate.py`` (module-level functions: the
 spawned ranks import them by name).
 
 The model is a tiny ``transformers`` Llama (built from a ``LlamaConfig``, no download), each
@@ -20,6 +20,7 @@ branch, as on GPUs.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -54,18 +55,11 @@ def hf_config() -> Any:
     return transformers.LlamaConfig(**DIMS)
 
 
-def lora_config(config: Any = None) -> Any:
-    """LoRA on q_proj and v_proj (or ``config``, loaded), its layers built by PEFT's documented
-    custom-module dispatch: PEFT's default path first asks whether torchao can quantize the layer,
-    and peft 0.21 raises there on the torchao 0.14 that torchtune 0.6 needs (this venv has both).
-    The layer class is PEFT's own ``lora.Linear``, as the default path makes it."""
+def lora_config() -> Any:
+    """LoRA on q_proj and v_proj."""
     import peft
-    from peft.tuners.lora.layer import Linear
 
-    if config is None:
-        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    config._register_custom_module({torch.nn.Linear: Linear})
-    return config
+    return peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
 def _accelerator(rank: int, world: int, *, force_fsdp: bool) -> Any:
@@ -265,17 +259,35 @@ def peft_run(rank: int, world: int, url: str, options: Any, out: str) -> None:
         torch.save(adapter, Path(out) / "adapter.pt")
 
 
-def trainer_run(rank: int, world: int, output_dir: str, out: str, resume: bool) -> None:
+def trainer_run(
+    rank: int,
+    world: int,
+    output_dir: str,
+    out: str,
+    resume: bool,
+    remote: str | None = None,
+    options: Any = None,
+    kill_at_save: int | None = None,
+    resume_step: int | None = None,
+) -> None:
     """HF ``Trainer`` under FSDP (forced, as for ``save_state_run``: a documented subclass sets
     it after Trainer made its Accelerator), 6 steps, ``checkpoint-N`` every 2 steps,
-    ``save_total_limit=2``, the routing on; the resume continues from ``checkpoint-4``."""
+    ``save_total_limit=2``, the routing on; the resume continues from ``checkpoint-4``.
+
+    With ``remote``, ``output_dir`` is the local staging folder of a ``TrainerCheckpointMirror``
+    to ``remote``, and the resume continues from what ``resume_checkpoint(resume_step)``
+    fetched (by default the newest complete checkpoint). ``kill_at_save=k``: the job is
+    SIGKILLed during the ``k``-th save, once rank 1's weights bytes are written (``run_job``)."""
     import transformers
     from accelerate import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from hf_dcp_storage.integrations.accelerate import route_fsdp_checkpoints
+    from hf_dcp_storage.integrations.accelerate import FSDPRouting, route_fsdp_checkpoints
+    from hf_dcp_storage.integrations.accelerate_trainer import TrainerCheckpointMirror
 
     _accelerator(rank, world, force_fsdp=False)  # the environment accelerate launch would set
+    if kill_at_save is not None:
+        _die_at_save(FSDPRouting, "save_fsdp_model", kill_at_save)
 
     class FSDPOnCPUTrainer(transformers.Trainer):
         def create_accelerator_and_postprocess(self) -> None:
@@ -307,9 +319,18 @@ def trainer_run(rank: int, world: int, output_dir: str, out: str, resume: bool) 
         dataloader_num_workers=0,
     )
     model = _model(seed=1 if resume else 0)
-    with route_fsdp_checkpoints(companions={"config.json": hf_config().to_json_string()}):
-        trainer = FSDPOnCPUTrainer(model=model, args=args, train_dataset=data)
-        trainer.train(resume_from_checkpoint=f"{output_dir}/checkpoint-4" if resume else None)
+    companions = {"config.json": hf_config().to_json_string()}
+    routing = route_fsdp_checkpoints(storage_options=options, companions=companions)
+    if remote is None:
+        start = f"{output_dir}/checkpoint-4" if resume else None
+        callbacks = []
+    else:
+        mirror = TrainerCheckpointMirror(remote, output_dir, routing, options)
+        start = mirror.resume_checkpoint(resume_step) if resume else None
+        callbacks = [mirror]
+    trainer = FSDPOnCPUTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=start)
+    routing.remove()
     full = _full(trainer.model)  # a collective: every rank gathers
     _record(
         trainer.model,
@@ -318,5 +339,31 @@ def trainer_run(rank: int, world: int, output_dir: str, out: str, resume: bool) 
         out,
         rank,
         global_step=trainer.state.global_step,
+        resumed_from=start,
         full_at_save=full if rank == 0 else {},
     )
+
+
+def _die_at_save(owner: Any, name: str, k: int) -> None:
+    """Arm the kill (rank 1's weights written: the job dies) at the ``k``-th call of
+    ``owner.name`` in this rank."""
+    from tests.support.killpoints import arm
+
+    save, calls = getattr(owner, name), []
+
+    @functools.wraps(save)  # route_fsdp_checkpoints checks the signature
+    def kth_call_dies(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == k:
+            arm("late-write", "job", 1)
+        return save(*args, **kwargs)
+
+    setattr(owner, name, kth_call_dies)
+
+
+def killed_step_checkpoints_run(rank: int, world: int, root: str, options: Any) -> None:
+    """``step_checkpoints_run``'s saves, the job SIGKILLed during the 2nd (step 2's weights)."""
+    from hf_dcp_storage.integrations.accelerate import AcceleratorCheckpoints
+
+    _die_at_save(AcceleratorCheckpoints, "save", 2)
+    step_checkpoints_run(rank, world, root, options, "/nonexistent", False)
