@@ -77,6 +77,13 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> Any:
             "utils_s3": _pair(ranks.fsdp_utils_run, out / "utils_s3", s3_url, options),
             "save_state": _pair(ranks.save_state_run, out / "save_state", str(out / "state")),
             "steps": _pair(ranks.step_checkpoints_run, out / "steps", run_url, options),
+            "save_state_s3": _pair(
+                ranks.save_state_mirror_run,
+                out / "save_state_s3",
+                str(out / "state_staging"),
+                f"{bucket}/state",
+                options,
+            ),
             "trainer": _pair(ranks.trainer_run, out / "trainer", str(out / "trainer_out")),
         }
         # Trainer to S3 through a mirror; the resume from a fresh staging folder (a new machine).
@@ -169,6 +176,29 @@ def test_save_state_and_load_state_resume_bitwise(jobs: dict[str, Any]) -> None:
         "scheduler.bin",
     ]
     assert (jobs["state"] / "pytorch_model_fsdp_0" / "model.safetensors.index.json").is_file()
+
+
+def test_save_state_to_s3_through_the_mirror_resumes_bitwise(jobs: dict[str, Any]) -> None:
+    run = jobs["save_state_s3"]
+    assert run["first"][0]["last_epoch"] == STEPS * WORLD
+    _assert_bitwise(run["first"], run["resumed"])
+    ckpt = jobs["s3"] / "state" / f"checkpoint-{SAVE_AT}"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "COMMITTED",
+        "optimizer_0",
+        "pytorch_model_fsdp_0",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "scheduler.bin",
+    ]
+    _assert_from_pretrained(ckpt / "pytorch_model_fsdp_0", run["first"][0]["full_at_save"])
+    # Only accelerate's small files were staged; the model and optimizer went to S3 directly.
+    staged = jobs["out"] / "state_staging-first" / f"checkpoint-{SAVE_AT}"
+    assert sorted(p.name for p in staged.iterdir()) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "scheduler.bin",
+    ]
 
 
 def test_trainer_checkpoints_go_through_ours_rotate_and_resume_bitwise(

@@ -1,5 +1,6 @@
-"""HF ``Trainer`` checkpoints (``checkpoint-N``, under FSDP2) at any fsspec URL, ``s3://``
-included: ``save_total_limit`` honoured there, a commit marker per checkpoint, resumable.
+"""HF ``Trainer`` checkpoints (``checkpoint-N``, under FSDP2) and ``Accelerator.save_state``'s at
+any fsspec URL, ``s3://`` included: ``save_total_limit`` honoured there, a commit marker per
+checkpoint, resumable.
 
     from hf_dcp_storage.integrations.accelerate import route_fsdp_checkpoints
     from hf_dcp_storage.integrations.accelerate_trainer import TrainerCheckpointMirror
@@ -10,6 +11,11 @@ included: ``save_total_limit`` honoured there, a commit marker per checkpoint, r
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[mirror])
     trainer.train(resume_from_checkpoint=mirror.resume_checkpoint())  # None: a fresh start
     mirror.remove()
+
+    # or, with accelerate alone (staging_dir: any local folder)
+    accelerator.save_state(mirror.staged(step))
+    mirror.commit(step, keep=3)
+    accelerator.load_state(mirror.resume_checkpoint())  # the newest complete one
 
 **Why a callback and a staging folder.** ``Trainer`` ``os.makedirs`` its ``output_dir``, writes
 its own files there (``trainer_state.json``, ``scheduler.pt``, ``rng_state_{rank}.pth``), finds
@@ -62,9 +68,10 @@ from ..steps.runs import remove_folder
 
 __all__ = ["TrainerCheckpointMirror"]
 
-# Trainer's names: PREFIX_CHECKPOINT_DIR, and each rank's RNG file (world size 1: rng_state.pth).
+# Trainer's names: PREFIX_CHECKPOINT_DIR; each rank's RNG file, Trainer's (world size 1:
+# rng_state.pth, rank 0's) and Accelerator.save_state's.
 _CHECKPOINT = re.compile(r"checkpoint-(0|[1-9][0-9]*)")
-_RANK_RNG = re.compile(r"rng_state_[0-9]+\.pth")
+_RANK_FILE = re.compile(r"(?:rng_state|random_states)_([0-9]+)\.(?:pth|pkl)")
 _Path = str | os.PathLike[str]
 
 
@@ -110,21 +117,32 @@ class TrainerCheckpointMirror:
         raise AttributeError(name)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """(every rank, ``Trainer`` calling it after ``checkpoint-N``) Upload this rank's
-        ``rng_state_{rank}.pth`` (rank 0: ``Trainer``'s other files too); once every rank has,
-        rank 0 commits the checkpoint and applies ``args.save_total_limit``; a barrier last."""
-        step, rank = state.global_step, args.process_index
-        local, folder = os.path.join(self.staging, _name(step)), self._folder(step)
+        """(every rank, ``Trainer`` calling it after ``checkpoint-N``) ``commit`` it, keeping
+        ``args.save_total_limit`` and ``Trainer``'s best checkpoint."""
+        self.commit(state.global_step, args.save_total_limit, state.best_model_checkpoint)
+
+    def staged(self, step: int) -> str:
+        """The staging folder of ``checkpoint-{step}``: where ``Accelerator.save_state`` saves
+        it (then ``commit(step)``) for the routed functions to write it to ``remote``."""
+        return os.path.join(self.staging, _name(step))
+
+    def commit(self, step: int, keep: int | None = None, best: str | None = None) -> None:
+        """(every rank, after ``checkpoint-{step}`` is saved into ``staged(step)``) Upload this
+        rank's own files (``rng_state_{rank}.pth``, ``random_states_{rank}.pkl``; rank 0: every
+        other file too); once every rank has, rank 0 writes the checkpoint's ``COMMITTED`` and
+        keeps the newest ``keep`` complete checkpoints (and ``best``); a barrier last."""
+        rank = _rank()
+        local, folder = self.staged(step), self._folder(step)
         for name in sorted(os.listdir(local)):
-            path = os.path.join(local, name)
-            theirs = rank == 0 and os.path.isfile(path) and not _RANK_RNG.fullmatch(name)
-            if theirs or name == f"rng_state_{rank}.pth":
+            path, own = os.path.join(local, name), _RANK_FILE.fullmatch(name)
+            if (own and int(own[1]) == rank) or (not own and rank == 0 and os.path.isfile(path)):
                 self.fs.put_file(path, f"{folder}/{name}")
         _barrier()
         if rank == 0:
-            ckpt_folder.commit(self.fs, folder, step, args.world_size)
-            if args.save_total_limit is not None:
-                self._rotate(args.save_total_limit, step, state.best_model_checkpoint)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            ckpt_folder.commit(self.fs, folder, step, world)
+            if keep is not None:
+                self._rotate(keep, step, best)
         _barrier()
 
     def latest(self) -> int | None:

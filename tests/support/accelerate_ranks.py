@@ -193,6 +193,36 @@ def save_state_run(rank: int, world: int, folder: str, out: str, resume: bool) -
     _record(model, optimizer, scheduler, out, rank)
 
 
+def save_state_mirror_run(
+    rank: int, world: int, staging: str, remote: str, options: Any, out: str, resume: bool
+) -> None:
+    """``save_state`` / ``load_state`` to ``remote`` through ``TrainerCheckpointMirror``: saved
+    into ``staged(SAVE_AT)`` and committed; the resume from a fresh staging folder (another
+    machine's) takes the newest complete checkpoint."""
+    from hf_dcp_storage.integrations.accelerate import route_fsdp_checkpoints
+    from hf_dcp_storage.integrations.accelerate_trainer import TrainerCheckpointMirror
+
+    accelerator, _ = _accelerator(rank, world, force_fsdp=True)
+    model = _model(seed=1 if resume else 0)
+    optimizer, scheduler = _optim(model)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    companions = {"config.json": hf_config().to_json_string()}
+    with route_fsdp_checkpoints(storage_options=options, companions=companions) as routing:
+        mirror = TrainerCheckpointMirror(
+            remote, f"{staging}-{'resumed' if resume else 'first'}", routing, options
+        )
+        full = {}
+        if resume:
+            accelerator.load_state(mirror.resume_checkpoint())
+        else:
+            _train(model, optimizer, scheduler, rank, range(SAVE_AT))
+            accelerator.save_state(mirror.staged(SAVE_AT))
+            mirror.commit(SAVE_AT, keep=1)
+            full = _full(model)
+    _train(model, optimizer, scheduler, rank, range(SAVE_AT, STEPS))
+    _record(model, optimizer, scheduler, out, rank, full_at_save=full if rank == 0 else {})
+
+
 def step_checkpoints_run(
     rank: int, world: int, root: str, options: Any, out: str, resume: bool
 ) -> None:
