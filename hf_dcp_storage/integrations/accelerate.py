@@ -37,8 +37,8 @@ by them): ``output_dir/pytorch_model_fsdp_{i}/``, the model as a consolidated HF
 safetensors plus ``optimizer_state.json``. Each folder's index is written last. The plugin's
 ``state_dict_type`` and ``use_dcp`` do not matter: the state is always taken sharded. The
 functions take any fsspec URL, but ``save_state`` and ``Trainer`` ``os.makedirs`` their
-``output_dir`` and write their own files there: with them it is a local folder; for an object
-store, use ``AcceleratorCheckpoints``, or for ``Trainer`` ``integrations.accelerate_trainer``.
+``output_dir`` and write their own files there: a local folder, which
+``integrations.accelerate_trainer``'s mirror stages for a store (or: ``AcceleratorCheckpoints``).
 
 **Step checkpoints on any store.** ``save_state``'s ``total_limit`` and ``Trainer``'s
 ``save_total_limit`` list and delete with ``os`` / ``shutil`` (local folders only; there they
