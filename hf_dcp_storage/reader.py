@@ -5,24 +5,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .format.compare import header_difference
 from .format.geometry import element_size
-from .format.header import HeaderError, TensorEntry
-from .format.index import INDEX_NAME, FileHeader
+from .format.index import FileHeader
 from .format.quantscheme import block_size_of
 from .io import fsio
 from .io.dequantizing import Dequantizer
 from .io.direct import check_direct_io
-from .io.files import Head, load_weight_map, read_config, read_head, read_header
+from .io.files import Head, check_recorded, load_weight_map, read_config, read_head, read_header
 from .io.gcpause import paused_gc
 from .io.hostbuf import KeptHostBuffers
 from .io.parallel import check_thread_count, parallel_map
@@ -38,14 +38,12 @@ from .reading import (
     request_budget,
 )
 from .session.claim import Claim, released_on_error
+from .sharedreads import LoadRanks, read_sharing
 from .stores import ranges_for
 from .stores.reads import KeptReads, Ranges, Reads
 from .stores.retry import RetryPolicy, policy_or_default
 
 __all__ = ["HFStorageReader"]
-
-# ``LoadPlan.storage_data`` of a plan whose items the rank kept (``prepare_local_plan``).
-_KEPT_HERE = "hf_dcp_storage: read items kept on the rank"
 
 
 class HFStorageReader(StorageReader):
@@ -90,6 +88,11 @@ class HFStorageReader(StorageReader):
             stay loadable as stored. ``None`` (the default): every tensor loads as stored.
         block_size: FP8 rows x columns per scale (an int: square): by default the folder's
             ``config.json`` ``quantization_config.weight_block_size``, else 128.
+        share_reads: bytes that several ranks need (a DTensor's ``Replicate`` dimensions: HSDP
+            replicas, TP-replicated norms; plain tensors every rank loads) are read from the
+            store by one rank and passed to the others over a gloo group of the load's own
+            (``sharedreads.py``), so the store serves each byte once. Off with ``verify`` (each
+            rank checks what it read), and where the load's ranks are not the job's, in order.
 
     Raises (from ``read_metadata``, wrapped by DCP):
         FileNotFoundError: no index and no ``model.safetensors``, or a file the index names is
@@ -112,6 +115,7 @@ class HFStorageReader(StorageReader):
         "buffer_size",
         "dequantize",
         "block_size",
+        "share_reads",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,6 +136,7 @@ class HFStorageReader(StorageReader):
         buffer_size: int | str = "512MB",
         dequantize: torch.dtype | None = None,
         block_size: int | tuple[int, int] | None = None,
+        share_reads: bool = True,
     ) -> None:
         super().__init__()
         if dequantize not in (None, torch.bfloat16, torch.float16, torch.float32):
@@ -142,6 +147,7 @@ class HFStorageReader(StorageReader):
         if block_size is not None:
             block_size_of(None, block_size)  # a bad one refused here, not at the load
         self.dequantize, self.block_size = dequantize, block_size
+        self.share_reads = share_reads
         self.storage_options = storage_options
         self.thread_count = check_thread_count(thread_count)
         self.retry = policy_or_default(retry)
@@ -221,7 +227,7 @@ class HFStorageReader(StorageReader):
         # The index's copies where it has them: no request per file (every rank reads this).
         recorded = recorded or {}
         if self.verify:
-            self._check_recorded(recorded)
+            check_recorded(recorded, self._read_header, self._url, self.thread_count)
         unrecorded = [f for f in files if f not in recorded]
         read = parallel_map(
             lambda f: self._read_header(f, keep=True), unrecorded, self.thread_count
@@ -272,10 +278,26 @@ class HFStorageReader(StorageReader):
         items back; a planner that puts items into a rank's plan in its global step is obeyed.
         """
         self._kept = list(plan.items)
-        return dataclasses.replace(plan, items=[], storage_data=_KEPT_HERE)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+        return dataclasses.replace(plan, items=[], storage_data=LoadRanks(rank))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """(coordinator) Tell each rank the load's id and its number in it, for shared reads:
+        only where the load's ranks are the job's ranks in order (DTensor meshes name global
+        ranks), else no id and every rank reads alone."""
+        ranks = [p.storage_data for p in plans]
+        job = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        share = self.share_reads and not self.verify and len(plans) == job > 1
+        share = share and all(
+            isinstance(r, LoadRanks) and r.global_rank == i for i, r in enumerate(ranks)
+        )
+        load_id = uuid.uuid4().hex if share else ""
+        return [
+            dataclasses.replace(p, storage_data=LoadRanks(r.global_rank, load_id, i, len(plans)))
+            if isinstance(r, LoadRanks)
+            else p
+            for i, (p, r) in enumerate(zip(plans, ranks, strict=True))
+        ]
 
     @released_on_error
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -289,7 +311,8 @@ class HFStorageReader(StorageReader):
         return fut
 
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        items = self._kept if plan.storage_data == _KEPT_HERE and not plan.items else plan.items
+        ranks = plan.storage_data if isinstance(plan.storage_data, LoadRanks) else None
+        items = self._kept if ranks is not None and not plan.items else plan.items
         assert self._ranges is not None
         reads = KeptReads(self._ranges.open_reads(self.direct_io), self._heads)
 
@@ -309,25 +332,28 @@ class HFStorageReader(StorageReader):
                     decoder = decoders.get(stored.key)
                     read_verified(items, stored, planner, fill, self._url(stored.file), decoder)
 
-                parallel_map(
-                    verified,
-                    list(by_tensor.values()),
-                    self.thread_count,
-                )
+                parallel_map(verified, list(by_tensor.values()), self.thread_count)
             else:
-                read_items(
-                    items,
-                    planner,
-                    lambda item: self.storage_data[item.storage_index.fqn],
-                    lambda file: fsio.join(self.root, file),
-                    self._slab_bytes,
-                    reads,
-                    self._host,
-                    threads=self.thread_count,
-                    buffer_size=self.buffer_size,
-                    stats=self.load_stats,
-                    decoders=decoders,
-                )
+
+                def read(items: Sequence[ReadItem], planner: LoadPlanner) -> None:
+                    read_items(
+                        items,
+                        planner,
+                        lambda item: self.storage_data[item.storage_index.fqn],
+                        lambda file: fsio.join(self.root, file),
+                        self._slab_bytes,
+                        reads,
+                        self._host,
+                        threads=self.thread_count,
+                        buffer_size=self.buffer_size,
+                        stats=self.load_stats,
+                        decoders=decoders,
+                    )
+
+                if ranks is not None and ranks.load_id:
+                    read_sharing(items, planner, ranks, read, self.load_stats)
+                else:
+                    read(items, planner)
                 self.load_stats.bytes_kept = reads.served
         finally:
             self._heads = {}  # at most HEADER_PREFIX bytes a file, held until the load's end
@@ -410,39 +436,3 @@ class HFStorageReader(StorageReader):
             operation="read the header of",
             url=self._url(file),
         )
-
-    def _file_header(self, file: str) -> tuple[Mapping[str, TensorEntry], int] | None:
-        """``_read_header``, or ``None`` where the file's header does not decode."""
-        try:
-            header = self._read_header(file)
-        except HeaderError:
-            return None
-        return header.by_name, header.data_start
-
-    def _check_recorded(self, recorded: Mapping[str, FileHeader | Head]) -> None:
-        """(verify=True) Each file's own header, where it decodes, must equal the index's copy of
-        it, which the load trusts: a dtype changed there (``F32`` to ``I32``) reinterprets bytes
-        whose CRC32 still matches. Two headers that disagree mean one is corrupt, and nothing
-        tells which. A file header that does not decode leaves the copy as the only description
-        of the file, so the load goes on with it, and the CRC32s check the bytes.
-
-        Raises:
-            FileNotFoundError: a file is missing.
-            ValueError: a file's header and the index's copy differ; the message names the first
-                difference.
-        """
-        files = sorted(recorded)
-        for file, actual in zip(
-            files, parallel_map(self._file_header, files, self.thread_count), strict=True
-        ):
-            if actual is None:
-                continue
-            difference = header_difference(
-                recorded[file].by_name, recorded[file].data_start, *actual
-            )
-            if difference is not None:
-                raise ValueError(
-                    f"{self._url(file)}: the file's header differs from the copy in {INDEX_NAME} "
-                    f"(metadata.headers): {difference}; the file or the index is corrupt: restore "
-                    "both from a copy, or re-save"
-                )

@@ -141,7 +141,8 @@ class LoadStats:
     ``bytes_wanted``, in ``batches``; ``bytes_kept``: bytes of those wanted served from what the
     header reads brought (``io/files.read_head``), with no request; ``host_bytes_peak``: the most
     host memory a batch's slabs took; ``in_flight_bytes``: the bound on the bytes of requests in
-    flight."""
+    flight; ``bytes_sent``, ``bytes_received``: bytes of shared reads passed to and from other
+    ranks (``sharedreads.py``), in ``shared_groups`` groups."""
 
     requests: int = 0
     bytes_read: int = 0
@@ -150,6 +151,9 @@ class LoadStats:
     bytes_kept: int = 0
     host_bytes_peak: int = 0
     in_flight_bytes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    shared_groups: int = 0
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The layout of the package, pinned: one module per destination kind, the writer only speaks DCP,
 and data flows down the layers without climbing back.
 
-    integrations -> tools -> steps -> writer, reader, planner -> reading -> stores -> io, session
-    -> plan -> format
+    integrations -> tools -> steps -> writer, reader, planner -> sharedreads -> reading
+    -> stores -> io, session -> plan -> format
 
 A module imports only from its own layer or the layers below (function-level imports count:
 they are dependencies too); there is no import cycle; a trainer integration builds on the public
@@ -29,14 +29,15 @@ LAYERS = {
     "session": 2,
     "stores": 3,
     "reading": 4,
-    "writer": 5,
-    "reader": 5,
-    "planner": 5,
-    "steps": 6,
-    "tools": 7,
-    "__init__": 8,
-    "__main__": 8,
-    "integrations": 9,
+    "sharedreads": 5,
+    "writer": 6,
+    "reader": 6,
+    "planner": 6,
+    "steps": 7,
+    "tools": 8,
+    "__init__": 9,
+    "__main__": 9,
+    "integrations": 10,
 }
 # What the trainer integrations may build on, and the trainer package each one (alone) imports.
 _INTEGRATION_BASES = {"__init__", "steps", "writer", "reader"}

@@ -13,7 +13,8 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ..format.header import TensorEntry, decode_header, header_length
+from ..format.compare import header_difference
+from ..format.header import HeaderError, TensorEntry, decode_header, header_length
 from ..format.index import (
     ADAPTER_FILE_NAME,
     INDEX_NAME,
@@ -24,6 +25,7 @@ from ..format.index import (
 )
 from ..format.strictjson import loads_strict
 from . import fsio
+from .parallel import parallel_map
 
 CONFIG_NAME = "config.json"
 
@@ -34,6 +36,7 @@ __all__ = [
     "Folder",
     "Head",
     "ReadRange",
+    "check_recorded",
     "load_weight_map",
     "read_config",
     "read_head",
@@ -279,3 +282,41 @@ def scan_folder(fs: AbstractFileSystem, root: str) -> Folder | None:
     if not files and not dirs and not fsio.isdir(fs, root):
         return None
     return Folder(files, frozenset(dirs))
+
+
+def check_recorded(
+    recorded: Mapping[str, FileHeader | Head],
+    read: Callable[[str], FileHeader | Head],
+    url_of: Callable[[str], str],
+    threads: int,
+) -> None:
+    """(a load with ``verify``) Each file's own header (``read(file)``), where it decodes, must
+    equal the index's copy of it, which the load trusts: a dtype changed there (``F32`` to
+    ``I32``) reinterprets bytes whose CRC32 still matches. Two headers that disagree mean one is
+    corrupt, and nothing tells which. A file header that does not decode leaves the copy as the
+    only description of the file, so the load goes on with it, and the CRC32s check the bytes.
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        ValueError: a file's header and the index's copy differ; the message names the first
+            difference.
+    """
+
+    def actual(file: str) -> tuple[Mapping[str, TensorEntry], int] | None:
+        try:
+            header = read(file)
+        except HeaderError:
+            return None
+        return header.by_name, header.data_start
+
+    files = sorted(recorded)
+    for file, found in zip(files, parallel_map(actual, files, threads), strict=True):
+        if found is None:
+            continue
+        difference = header_difference(recorded[file].by_name, recorded[file].data_start, *found)
+        if difference is not None:
+            raise ValueError(
+                f"{url_of(file)}: the file's header differs from the copy in {INDEX_NAME} "
+                f"(metadata.headers): {difference}; the file or the index is corrupt: restore "
+                "both from a copy, or re-save"
+            )
