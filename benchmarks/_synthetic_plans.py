@@ -28,11 +28,15 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 __all__ = [
+    "DEEPSEEK",
     "LLAMA",
+    "DeepSeekConfig",
+    "ExpertParallel",
     "LlamaConfig",
     "Mesh",
     "ShapeOnlyShard",
     "count_runs",
+    "deepseek_shapes",
     "llama_shapes",
     "local_chunk",
     "placements_for",
@@ -89,6 +93,113 @@ def llama_shapes(cfg: LlamaConfig) -> list[tuple[str, Shape]]:
         ]
     shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (cfg.vocab, h))]
     return shapes
+
+
+@dataclass(frozen=True)
+class DeepSeekConfig:
+    """The widths of a DeepSeek-V3-like checkpoint in HF keys: MLA attention, ``dense`` leading
+    layers with a plain MLP, the rest MoE (``experts`` routed experts, one shared)."""
+
+    layers: int = 61
+    dense: int = 3
+    hidden: int = 7168
+    intermediate: int = 18432
+    moe_intermediate: int = 2048
+    experts: int = 256
+    vocab: int = 129280
+    heads: int = 128
+    q_lora: int = 1536
+    kv_lora: int = 512
+    qk_nope: int = 128
+    qk_rope: int = 64
+    v_head: int = 128
+
+    @property
+    def params(self) -> int:
+        return sum(math.prod(shape) for _, shape in deepseek_shapes(self))
+
+
+# DeepSeek-V3 / R1's shapes (671B parameters; 45,459 tensors unquantized).
+DEEPSEEK: dict[str, DeepSeekConfig] = {"DSV3": DeepSeekConfig()}
+
+
+def deepseek_shapes(cfg: DeepSeekConfig) -> list[tuple[str, Shape]]:
+    """``(HF key, global shape)`` of a DeepSeek-V3-like model, in ``state_dict()`` order."""
+    h, qk = cfg.hidden, cfg.qk_nope + cfg.qk_rope
+    shapes: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (cfg.vocab, h))]
+
+    def mlp(prefix: str, width: int) -> list[tuple[str, Shape]]:
+        return [
+            (prefix + "gate_proj.weight", (width, h)),
+            (prefix + "up_proj.weight", (width, h)),
+            (prefix + "down_proj.weight", (h, width)),
+        ]
+
+    for layer in range(cfg.layers):
+        p = f"model.layers.{layer}."
+        shapes += [
+            (p + "self_attn.q_a_proj.weight", (cfg.q_lora, h)),
+            (p + "self_attn.q_a_layernorm.weight", (cfg.q_lora,)),
+            (p + "self_attn.q_b_proj.weight", (cfg.heads * qk, cfg.q_lora)),
+            (p + "self_attn.kv_a_proj_with_mqa.weight", (cfg.kv_lora + cfg.qk_rope, h)),
+            (p + "self_attn.kv_a_layernorm.weight", (cfg.kv_lora,)),
+            (
+                p + "self_attn.kv_b_proj.weight",
+                (cfg.heads * (cfg.qk_nope + cfg.v_head), cfg.kv_lora),
+            ),
+            (p + "self_attn.o_proj.weight", (h, cfg.heads * cfg.v_head)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if layer < cfg.dense:
+            shapes += mlp(p + "mlp.", cfg.intermediate)
+            continue
+        shapes += [
+            (p + "mlp.gate.weight", (cfg.experts, h)),
+            (p + "mlp.gate.e_score_correction_bias", (cfg.experts,)),
+        ]
+        for e in range(cfg.experts):
+            shapes += mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate)
+        shapes += mlp(p + "mlp.shared_experts.", cfg.moe_intermediate)
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (cfg.vocab, h))]
+    return shapes
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism over ``world`` ranks in ``ep`` contiguous groups: routed expert ``e``'s
+    tensors (keys ``...mlp.experts.{e}.``) live on group ``e // (experts // ep)`` alone,
+    ``Shard(0)`` over its ranks (FSDP within the group); every other key is ``Shard(0)`` over
+    all ranks. What a rank outside the group holds of an expert: nothing (no item)."""
+
+    world: int
+    ep: int
+    experts: int
+
+    def holders(self, key: str) -> tuple[int, int] | None:
+        """``(first rank, ranks)`` of the group holding expert key ``key``; ``None`` for a key
+        that is no routed expert's."""
+        marker = ".mlp.experts."
+        at = key.find(marker)
+        if at < 0:
+            return None
+        expert = int(key[at + len(marker) :].split(".", 1)[0])
+        size = self.world // self.ep
+        return expert // (self.experts // self.ep) * size, size
+
+
+def _chunk(
+    key: str, shape: Shape, mesh: Mesh, rank: int, ep: ExpertParallel | None
+) -> tuple[Shape, Shape] | None:
+    """``(offsets, sizes)`` of ``rank``'s local shard of ``key``, or ``None`` where it holds none
+    (an expert of another group)."""
+    group = ep.holders(key) if ep is not None else None
+    if group is None:
+        return local_chunk(shape, mesh, placements_for(shape, mesh), rank)
+    first, size = group
+    if not first <= rank < first + size:
+        return None
+    return local_chunk(shape, Mesh(size), (0,), rank - first)
 
 
 @dataclass(frozen=True)
@@ -190,15 +301,25 @@ def _properties(dtype: torch.dtype, sizes: Sequence[int]) -> TensorProperties:
 
 
 def rank_save_plan(
-    shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int, dtype: torch.dtype = torch.bfloat16
+    shapes: Sequence[tuple[str, Shape]],
+    mesh: Mesh,
+    rank: int,
+    dtype: torch.dtype = torch.bfloat16,
+    ep: ExpertParallel | None = None,
 ) -> SavePlan:
     """The ``SavePlan`` ``DefaultSavePlanner.create_local_plan`` makes on ``rank`` for a flat
-    state dict of DTensors of these shapes: one SHARD item per key, and ``planner_data`` the
-    flattening map ``{key: (key,)}``. Every item gets its own objects, as DCP builds them, so
-    that a pickled plan has the size of a real one."""
+    state dict of DTensors of these shapes: one SHARD item per key it holds (``ep``: experts on
+    their group's ranks only), and ``planner_data`` the flattening map ``{key: (key,)}``. Every
+    item gets its own objects, as DCP builds them, so that a pickled plan has the size of a real
+    one."""
     items = []
+    held = []
     for key, shape in shapes:
-        offsets, sizes = local_chunk(shape, mesh, placements_for(shape, mesh), rank)
+        chunk = _chunk(key, shape, mesh, rank, ep)
+        if chunk is None:
+            continue
+        offsets, sizes = chunk
+        held.append(key)
         items.append(
             WriteItem(
                 index=MetadataIndex(key, torch.Size(offsets)),
@@ -212,7 +333,7 @@ def rank_save_plan(
                 ),
             )
         )
-    return SavePlan(items, planner_data={key: (key,) for key, _ in shapes})
+    return SavePlan(items, planner_data={key: (key,) for key in held})
 
 
 def count_runs(shapes: Sequence[tuple[str, Shape]], mesh: Mesh) -> int:
@@ -258,11 +379,13 @@ class ShapeOnlyShard:
 
 
 def rank_load_state_dict(
-    shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int
+    shapes: Sequence[tuple[str, Shape]], mesh: Mesh, rank: int, ep: ExpertParallel | None = None
 ) -> dict[str, ShapeOnlyShard]:
-    """``rank``'s destination state dict for a load onto ``mesh``: one shape-only shard per key."""
+    """``rank``'s destination state dict for a load onto ``mesh``: one shape-only shard per key
+    it holds (``ep``: experts on their group's ranks only)."""
     out = {}
     for key, shape in shapes:
-        offsets, sizes = local_chunk(shape, mesh, placements_for(shape, mesh), rank)
-        out[key] = ShapeOnlyShard(shape, offsets, sizes)
+        chunk = _chunk(key, shape, mesh, rank, ep)
+        if chunk is not None:
+            out[key] = ShapeOnlyShard(shape, *chunk)
     return out

@@ -49,7 +49,15 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from benchmarks._synthetic_plans import LLAMA, Mesh, llama_shapes, rank_save_plan
+from benchmarks._synthetic_plans import (
+    DEEPSEEK,
+    LLAMA,
+    ExpertParallel,
+    Mesh,
+    deepseek_shapes,
+    llama_shapes,
+    rank_save_plan,
+)
 from benchmarks.bench_scale import (
     _case_name,
     _fake_upload_id,
@@ -107,15 +115,26 @@ PLANNING = (
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     """One case in this process; returns its figures."""
-    shapes = llama_shapes(LLAMA[spec["model"]])
+    model = spec["model"]
+    shapes = llama_shapes(LLAMA[model]) if model in LLAMA else deepseek_shapes(DEEPSEEK[model])
     mesh = Mesh.of(spec["world"], spec["tp"])
-    out: dict[str, Any] = {"tensors": len(shapes), "items": len(shapes) * mesh.size}
+    ep_degree = spec.get("ep", 1)
+    if ep_degree > 1 and (model not in DEEPSEEK or spec["tp"] != 1):
+        raise SystemExit(f"--ep {ep_degree}: expert parallelism is modelled for MoE models, tp 1")
+    experts = DEEPSEEK[model].experts if model in DEEPSEEK else 0
+
+    def ep_over(world: int) -> ExpertParallel | None:
+        return ExpertParallel(world, ep_degree, experts) if ep_degree > 1 else None
+
+    ep = ep_over(mesh.size)
+    out: dict[str, Any] = {"tensors": len(shapes), "items": 0}
     mode = spec.get("mode", "direct")
     writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"])
     t0 = time.perf_counter()
     blobs, local_s = [], 0.0
     for rank in range(mesh.size):
-        plan = rank_save_plan(shapes, mesh, rank)
+        plan = rank_save_plan(shapes, mesh, rank, ep=ep)
+        out["items"] += len(plan.items)
         t = time.perf_counter()
         sent = writer.prepare_local_plan(plan)
         local_s += time.perf_counter() - t
@@ -240,7 +259,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     # Load planning of the same checkpoint on N/2 ranks: read_metadata, local plans, what DCP
     # gathers.
     rep = _Reporter()
-    load = _simulate_load(shapes, layout, Mesh.of(max(spec["tp"], mesh.size // 2), spec["tp"]), rep)
+    load_mesh = Mesh.of(max(spec["tp"], mesh.size // 2), spec["tp"])
+    load = _simulate_load(shapes, layout, load_mesh, rep, ep_over(load_mesh.size))
     out.update(
         {
             k: load[k]
@@ -403,6 +423,9 @@ def main() -> None:
         "--cases", default="8B:1024,70B:1024,405B:1024,405B:8192", help="MODEL:RANKS,..."
     )
     ap.add_argument("--tp", default="1,8")
+    ap.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel groups (MoE models, with --tp 1)"
+    )
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument(
         "--mode",
@@ -440,6 +463,7 @@ def main() -> None:
                 "tp": tp,
                 "max_shard_size": args.max_shard_size,
                 "mode": mode,
+                **({"ep": args.ep} if args.ep > 1 else {}),
             }
             proc = subprocess.run(
                 [sys.executable, "-m", "benchmarks.bench_compact", "--child", json.dumps(spec)],

@@ -75,7 +75,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from benchmarks._synthetic_plans import (
+    DEEPSEEK,
     LLAMA,
+    ExpertParallel,
     LlamaConfig,
     Mesh,
     count_runs,
@@ -479,10 +481,14 @@ def _write_sparse_checkpoint(layout: Layout, folder: Path) -> dict[str, int]:
 
 
 def _simulate_load(
-    shapes: list[tuple[str, tuple[int, ...]]], layout: Layout, load_mesh: Mesh, rep: _Reporter
+    shapes: list[tuple[str, tuple[int, ...]]],
+    layout: Layout,
+    load_mesh: Mesh,
+    rep: _Reporter,
+    ep: ExpertParallel | None = None,
 ) -> dict[str, Any]:
     """Every rank's load planning: ``read_metadata`` (the index, which records the headers) and
-    its local load plan."""
+    its local load plan (``ep``: experts on their group's ranks only)."""
     folder = Path(tempfile.mkdtemp(prefix="bench_scale_"))
     try:
         out: dict[str, Any] = _write_sparse_checkpoint(layout, folder)
@@ -505,7 +511,7 @@ def _simulate_load(
             # set_up_planner would materialise the destination (meta DTensors need a process
             # group); for a flat state dict it only sets these two.
             planner.state_dict, planner.metadata = (
-                rank_load_state_dict(shapes, load_mesh, rank),
+                rank_load_state_dict(shapes, load_mesh, rank, ep),
                 metadata,
             )
             t = time.perf_counter()
@@ -716,6 +722,8 @@ def _fmt_bytes(n: float) -> str:
 
 def _case_name(spec: Mapping[str, Any]) -> str:
     mesh = f"{spec['world'] // spec['tp']}x{spec['tp']}" if spec["tp"] > 1 else str(spec["world"])
+    if spec.get("ep", 1) > 1:
+        mesh = f"{spec['world']} (EP {spec['ep']} x FSDP {spec['world'] // spec['ep']})"
     return f"{spec['model']} / {mesh}"
 
 
@@ -859,9 +867,10 @@ def _parse_cases(text: str) -> list[tuple[str, int]]:
     out = []
     for item in text.split(","):
         model, _, world = item.partition(":")
-        if model not in LLAMA or not world.isdigit():
+        if model not in {*LLAMA, *DEEPSEEK} or not world.isdigit():
             raise SystemExit(
-                f"--cases item {item!r} must be MODEL:RANKS with MODEL one of {sorted(LLAMA)}"
+                f"--cases item {item!r} must be MODEL:RANKS with MODEL one of "
+                f"{sorted({*LLAMA, *DEEPSEEK})}"
             )
         out.append((model, int(world)))
     return out

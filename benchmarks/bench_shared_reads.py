@@ -103,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--cases",
-        default="8B:2:2:1,70B:8:128:1,405B:8:1024:1,405B:8:256:8,405B:16:1024:1",
+        default="8B:2:2:1,70B:8:128:1,405B:8:1024:1,405B:2:512:8,405B:16:1024:1",
         help="MODEL:REPLICAS:SHARDS:TP, comma separated",
     )
     parser.add_argument("--md-out", type=Path)
