@@ -30,8 +30,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from benchmarks._synthetic_plans import (
+    DeepSeekConfig,
+    ExpertParallel,
     LlamaConfig,
     Mesh,
+    deepseek_shapes,
     llama_shapes,
     placements_for,
     rank_load_state_dict,
@@ -107,13 +110,20 @@ def test_synthetic_plans_equal_dcp_plans_of_real_dtensors() -> None:
     run_ranks(_compare_with_dtensors, 4)
 
 
-def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, int, int]:
+def _measure(
+    cfg: LlamaConfig | list[tuple[str, tuple[int, ...]]],
+    world: int,
+    tp: int,
+    mode: str,
+    ep: ExpertParallel | None = None,
+) -> tuple[float, int, int]:
     """(best of 3 seconds of our coordinator planning, largest pickled storage_data, write items).
 
     The coordinator's planning of compact plans (``plan/compact.py``), as a save gathers them, on
     local disk (``local``), on a store without positioned writes (``staged``: with its merge
-    tasks) and on S3 (``s3``: with every file's parts and the gathering tasks)."""
-    shapes = llama_shapes(cfg)
+    tasks) and on S3 (``s3``: with every file's parts and the gathering tasks). ``cfg``: a
+    Llama, or the shapes of any model (``ep``: its experts on their groups' ranks only)."""
+    shapes = llama_shapes(cfg) if isinstance(cfg, LlamaConfig) else cfg
     mesh = Mesh.of(world, tp)
     writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
     writer.store = store = store_for_mode(
@@ -124,7 +134,7 @@ def _measure(cfg: LlamaConfig, world: int, tp: int, mode: str) -> tuple[float, i
         threads=writer.thread_count,
     )
     chunks = [
-        writer.prepare_local_plan(rank_save_plan(shapes, mesh, r)).storage_data
+        writer.prepare_local_plan(rank_save_plan(shapes, mesh, r, ep=ep)).storage_data
         for r in range(world)
     ]
     best = float("inf")
@@ -190,3 +200,39 @@ def test_planning_stays_linear_in_tensors(mode: str) -> None:
         f"{items4 / items1:.1f}x the tensors: planning {t1 * 1e3:.1f} ms -> {t4 * 1e3:.1f} ms "
         f"({t4 / t1:.1f}x), worse than linear"
     )
+
+
+# A DeepSeek-V3-like MoE, small: what grows is the routed experts (4x the experts: ~3.5x the
+# write items), held by 2 expert-parallel groups of 32 ranks each.
+def _moe(experts: int) -> list[tuple[str, tuple[int, ...]]]:
+    cfg = DeepSeekConfig(
+        layers=5, dense=1, hidden=512, intermediate=1024, moe_intermediate=256, experts=experts,
+        vocab=4096, heads=4, q_lora=128, kv_lora=64, qk_nope=32, qk_rope=16, v_head=32,
+    )  # fmt: skip
+    return deepseek_shapes(cfg)
+
+
+@pytest.mark.parametrize("mode", ["local", "s3"])
+def test_moe_planning_stays_linear_in_experts(mode: str) -> None:
+    t1, _, items1 = _measure(_moe(64), 64, 1, mode, ExpertParallel(64, 2, 64))
+    t4, _, items4 = _measure(_moe(256), 64, 1, mode, ExpertParallel(64, 2, 256))
+    assert items4 >= 3 * items1
+    assert t4 <= 8 * t1 * items4 / (4 * items1), (
+        f"{items4 / items1:.1f}x the expert tensors: planning {t1 * 1e3:.1f} ms -> "
+        f"{t4 * 1e3:.1f} ms ({t4 / t1:.1f}x), worse than linear"
+    )
+
+
+def test_expert_parallel_ranks_hold_only_their_groups_experts() -> None:
+    shapes = _moe(32)
+    ep = ExpertParallel(64, 8, 32)
+    held = [
+        {item.index.fqn for item in rank_save_plan(shapes, Mesh(64), r, ep=ep).items}
+        for r in range(64)
+    ]
+    experts = [k for k, _ in shapes if ".mlp.experts." in k]
+    for key in experts:
+        group = int(key.split(".mlp.experts.")[1].split(".")[0]) // 4  # 32 experts, 8 groups
+        assert {r for r in range(64) if key in held[r]} == set(range(8 * group, 8 * group + 8))
+    # Every other key on every rank; an eighth of the experts' keys.
+    assert all(len(h) == len(shapes) - len(experts) + len(experts) // 8 for h in held)
