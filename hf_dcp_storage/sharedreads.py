@@ -11,13 +11,16 @@ that does not agree is read by each member on its own, as without sharing.
 A group's pieces (whole rows of its regions, dealt over its members) go in rounds of at most
 ``plan/sharing.ROUND_BYTES``: each member reads its pieces of the round through the load's
 usual reads (``reading.read_items``, into a buffer of the destination dtype), sends them to
-every other member and receives theirs (gloo send/recv, CPU), then copies every piece into its
-destination. The groups go in one order on every rank (sorted by their ranks), so two groups
+every other member and receives theirs (gloo, CPU: one message each way per member; where the
+group is every rank of the load, plain tensors, one all-gather, a ring), then copies every
+piece into its destination. The groups go in one order on every rank (sorted by their ranks), so two groups
 that share ranks never wait on each other. What a rank holds at once: one round's bytes.
 
 The process group is made straight on the job's key-value store (``session/group.py``), as a
 save's exchange is: no ``new_group`` (which every rank of the job must call alike, from the
-thread that owns the groups) and nothing sent on the trainer's groups.
+thread that owns the groups) and nothing sent on the trainer's groups. It connects lazily: a rank
+opens connections to the ranks it exchanges with (its groups' members, its ring neighbours for
+the tables), not to all of them, so a load of 16,384 ranks opens a handful of sockets a rank.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ __all__ = ["LoadRanks", "ReadFn", "read_sharing"]
 
 # Each piece starts at a multiple of this in a member's buffer (any dtype views it).
 _ALIGN = 64
+# A member's buffer starts with its status: nonzero where its reads of the round failed.
+_HEAD = _ALIGN
 
 # ``read(items, planner)``: the load's own reads of ``items`` into ``planner``'s tensors.
 ReadFn = Callable[[Sequence[ReadItem], LoadPlanner], None]
@@ -88,7 +93,9 @@ def read_sharing(
     groups = _groups(items, planner, ranks.world)
     # Every rank joins, groups or not: whether any other rank shares with it is known only
     # from the tables.
-    group = save_group(f"load-{ranks.load_id}", ranks.rank, ranks.world, DEFAULT_RANK_TIMEOUT)
+    group = save_group(
+        f"load-{ranks.load_id}", ranks.rank, ranks.world, DEFAULT_RANK_TIMEOUT, lazy=True
+    )
     try:
         digests = {g: group_digest(g, shared) for g, shared in groups.items()}
         sharing = agreed({g: d for g, (_, d) in digests.items()}, _tables(group, digests))
@@ -163,11 +170,12 @@ class _Staging:
         pass
 
 
-def _layout(pieces: Sequence[Piece]) -> dict[int, tuple[int, list[int]]]:
-    """``reader -> (buffer bytes, each of its pieces' offset)``, as every member computes it."""
-    out: dict[int, tuple[int, list[int]]] = {}
+def _layout(pieces: Sequence[Piece], ranks: Sequence[int]) -> dict[int, tuple[int, list[int]]]:
+    """``member -> (buffer bytes, each of its pieces' offset)``, as every member computes it: a
+    member's buffer is its status (``_HEAD`` bytes) and then its pieces of the round."""
+    out: dict[int, tuple[int, list[int]]] = {r: (_HEAD, []) for r in ranks}
     for piece in pieces:
-        size, offsets = out.get(piece.reader, (0, []))
+        size, offsets = out[piece.reader]
         offsets.append(size)
         out[piece.reader] = (size + -(-piece.nbytes // _ALIGN) * _ALIGN, offsets)
     return out
@@ -182,17 +190,24 @@ def _exchange(
     read: ReadFn,
     stats: LoadStats,
 ) -> None:
-    """One group's rounds: read this rank's pieces, swap them with every other member, copy
-    every piece into its destination; commit each item once its last piece is in."""
+    """One group's rounds: read this rank's pieces, swap them with every other member (the
+    whole load's group: one all-gather a round; a smaller one: a message to and from each
+    member), copy every piece into its destination; commit each item once its last piece is
+    in."""
     targets: dict[int, torch.Tensor] = {}
     left: dict[int, int] = {}
     for round_ in plan.rounds:
         for piece in round_:
             left[piece.index] = left.get(piece.index, 0) + 1
-    others = [r for r in plan.ranks if r != rank]
+    whole = len(plan.ranks) == group.size()  # ranks 0 .. world-1, sorted
     for number, round_ in enumerate(plan.rounds):
-        layout = _layout(round_)
-        buffers = {r: torch.empty(size, dtype=torch.uint8) for r, (size, _) in layout.items()}
+        layout = _layout(round_, plan.ranks)
+        # An all-gather takes buffers of one size: each member's padded to the largest.
+        most = max(size for size, _ in layout.values())
+        buffers = {
+            r: torch.empty(most if whole else size, dtype=torch.uint8)
+            for r, (size, _) in layout.items()
+        }
         placed = {r: iter(offsets) for r, (_, offsets) in layout.items()}
         views: list[tuple[Piece, torch.Tensor]] = []
         mine: list[ReadItem] = []
@@ -216,34 +231,15 @@ def _exchange(
                 read(mine, cast(LoadPlanner, _Staging(staged)))
         except Exception as exc:  # noqa: BLE001 - raised after this round's exchange, below
             failure = exc
-        status = torch.tensor([failure is not None], dtype=torch.int64)
-        statuses = {other: torch.zeros(1, dtype=torch.int64) for other in others}
-        tag = 2 * number % (1 << 30)
-        works = []
-        for other in others:
-            works += [group.send([status], other, tag), group.recv([statuses[other]], other, tag)]
-            if rank in buffers and len(buffers[rank]):
-                works.append(group.send([buffers[rank]], other, tag + 1))
-                stats.bytes_sent += len(buffers[rank])
-            if other in buffers and len(buffers[other]):
-                works.append(group.recv([buffers[other]], other, tag + 1))
-                stats.bytes_received += len(buffers[other])
-        try:
-            for work in works:
-                work.wait()
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"the shared reads of load ranks {list(plan.ranks)}: a member stopped taking part "
-                f"({exc}); load with HFStorageReader(share_reads=False) to have each rank read "
-                "alone"
-            ) from exc
+        buffers[rank][:_HEAD].view(torch.int64)[0] = failure is not None
+        _swap(group, rank, plan.ranks, buffers, whole, number, stats)
         if failure is not None:
             raise failure
-        failed = [other for other in others if statuses[other].item()]
+        failed = [r for r in plan.ranks if r != rank and buffers[r][:_HEAD].view(torch.int64)[0]]
         if failed:
             raise RuntimeError(
                 f"load rank(s) {failed} failed to read their share of the bytes that ranks "
-                f"{list(plan.ranks)} load alike (their own errors say why); load with "
+                f"{_ranks(plan.ranks)} load alike (their own errors say why); load with "
                 "HFStorageReader(share_reads=False) to have each rank read alone"
             )
         for piece, view in views:
@@ -252,6 +248,43 @@ def _exchange(
             left[piece.index] -= 1
             if not left[piece.index]:
                 planner.commit_tensor(items[piece.index], targets.pop(piece.index))
+
+
+def _swap(
+    group: Any,
+    rank: int,
+    ranks: Sequence[int],
+    buffers: dict[int, torch.Tensor],
+    whole: bool,
+    number: int,
+    stats: LoadStats,
+) -> None:
+    """Send this rank's buffer to every other member and fill theirs: for the whole load, one
+    all-gather (a ring: two neighbours, however many ranks); else one message each way per
+    member (tag: the round)."""
+    others = [r for r in ranks if r != rank]
+    try:
+        if whole:
+            # This rank's own slot gets a copy of its input: never the input itself.
+            out = [buffers[r] if r != rank else torch.empty_like(buffers[r]) for r in ranks]
+            group.allgather([out], [buffers[rank]]).wait()
+        else:
+            tag = number % (1 << 30)
+            works = [group.send([buffers[rank]], other, tag) for other in others]
+            works += [group.recv([buffers[other]], other, tag) for other in others]
+            for work in works:
+                work.wait()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"the shared reads of load ranks {_ranks(ranks)}: a member stopped taking part "
+            f"({exc}); load with HFStorageReader(share_reads=False) to have each rank read alone"
+        ) from exc
+    stats.bytes_sent += len(buffers[rank]) * len(others)
+    stats.bytes_received += sum(len(buffers[r]) for r in others)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}]"
 
 
 def _rows(item: ReadItem, piece: Piece) -> ReadItem:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,24 @@ def test_a_rank_that_fails_its_share_fails_the_others_without_a_wait(tmp_path: P
     assert all(errors), errors
     assert any("the file is truncated" in e for e in errors), errors
     assert not any("stopped taking part" in e for e in errors), errors
+
+
+def _lazy_pair(rank: int, world: int, out: str) -> None:
+    from hf_dcp_storage.session.group import save_group
+
+    # A group of 3 of which only these 2 ranks exist: made lazily it needs no third rank to
+    # join, and the two exchange as in a load's group.
+    group = save_group(f"lazy-{world}", rank, 3, 20.0, lazy=True)
+    buf = torch.tensor([rank + 41])
+    (group.send if rank == 0 else group.recv)([buf], 1 - rank, 0).wait()
+    Path(out, f"rank{rank}").write_text(str(int(buf.item())))
+
+
+def test_the_load_group_connects_only_the_ranks_that_exchange(tmp_path: Path) -> None:
+    """The load's group is made with gloo's lazy init (``TORCH_GLOO_LAZY_INIT``, read when the
+    group is made): a rank opens sockets to the ranks it exchanges with, not to the whole load
+    (a full mesh is 16,383 sockets a rank at 16,384 ranks). Without it, making a group of 3 with
+    2 ranks waits for the third and fails."""
+    run_ranks(_lazy_pair, 2, str(tmp_path))
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["41", "41"]
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # put back as it was

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import threading
+from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import torch
@@ -36,18 +39,44 @@ class PointToPoint(Protocol):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any: ...
 
 
-def save_group(save_id: str, rank: int, world: int, timeout: float) -> PointToPoint:
+def save_group(
+    save_id: str, rank: int, world: int, timeout: float, *, lazy: bool = False
+) -> PointToPoint:
     """(every rank of save ``save_id``, at the same point of the save) A gloo group of the
     save's ``world`` ranks, this one ``rank``; send/recv only. Returns once every rank has
-    joined.
+    joined; with ``lazy``, at once, each pair of ranks connecting when it first exchanges
+    (gloo's lazy init: no full mesh of ``world`` sockets a rank).
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or the ranks did not all join
             within ``timeout`` seconds.
     """
     store = dist.PrefixStore(f"{_PREFIX}/{save_id}", job_store())
-    group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout))
+    with _lazy_init() if lazy else contextlib.nullcontext():
+        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout))
     return cast(PointToPoint, group)
+
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _lazy_init() -> Iterator[None]:
+    """gloo reads ``TORCH_GLOO_LAZY_INIT`` when a group is made (torch's ProcessGroupGloo): set
+    for this construction only, then put back as it was."""
+    with _ENV_LOCK:
+        before = os.environ.get(_LAZY)
+        os.environ[_LAZY] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[_LAZY]
+            else:
+                os.environ[_LAZY] = before
+
+
+_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
 def forget_group(save_id: str, rank: int) -> None:
