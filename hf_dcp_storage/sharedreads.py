@@ -13,8 +13,9 @@ A group's pieces (whole rows of its regions, dealt over its members) go in round
 usual reads (``reading.read_items``, into a buffer of the destination dtype), sends them to
 every other member and receives theirs (gloo, CPU: one message each way per member; where the
 group is every rank of the load, plain tensors, one all-gather, a ring), then copies every
-piece into its destination. The groups go in one order on every rank (sorted by their ranks), so two groups
-that share ranks never wait on each other. What a rank holds at once: one round's bytes.
+piece into its destination. The groups go in one order on every rank (sorted by their
+ranks), so two groups that share ranks never wait on each other. What a rank holds at once:
+one round's bytes.
 
 The process group is made straight on the job's key-value store (``session/group.py``), as a
 save's exchange is: no ``new_group`` (which every rank of the job must call alike, from the
