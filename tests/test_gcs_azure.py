@@ -273,6 +273,47 @@ def _save_load_on_ranks(
         assert_same(dest[k].full_tensor(), v, k)
 
 
+def _small_runs_on_ranks(rank: int, world: int, url: str, options: dict, local: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _small_runs()
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
+    writer = HFStorageWriter(url, storage_options=options, retry=FAST_RETRY, thread_count=2)
+    dcp.save(sd, storage_writer=writer)
+    if rank == 0:
+        stats = writer.merge_stats
+        # No rank's run reaches 1 MiB: every byte is gathered, each node's runs by the node.
+        assert stats.rank_part_bytes == 0 and stats.network_bytes == stats.total_bytes, stats
+    dcp.save(sd, storage_writer=HFStorageWriter(local))
+
+
+def _small_runs() -> dict[str, torch.Tensor]:
+    # What 8,192 ranks make of a big model: every rank's run of every tensor far under 1 MiB
+    # (48 KiB here), its node's (2 ranks) 96 KiB; a norm of 512 B a rank, last in the file.
+    sd = {f"a.{i}": random_tensor((48, 1024), torch.float32, 20 + i) for i in range(6)}
+    sd["z.norm"] = random_tensor((1024,), torch.bfloat16, 30)
+    return sd
+
+
+@pytest.mark.distributed
+def test_runs_of_a_few_kib_cut_at_the_nodes_make_the_same_files(
+    store, tmp_path, monkeypatch
+) -> None:
+    """4 ranks, 2 a node (``LOCAL_WORLD_SIZE``, as ``torchrun`` sets it): the parts are each
+    node's runs (96 KiB: GCS and Azure have no part minimum), gathered within the node, and the
+    norm's; the servers assemble them into files byte-identical to a save on disk."""
+    kind, url, options = store
+    url = f"{url}/small-runs"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    run_ranks(_small_runs_on_ranks, 4, url, options, str(tmp_path / "local"))
+    objects = _objects(kind, url, options)
+    assert objects == folder_bytes(tmp_path / "local")
+    tensors = st_load(objects["model-00001-of-00001.safetensors"])
+    assert all(torch.equal(tensors[k], v) for k, v in _small_runs().items())
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("gather", ["network", "store"])
 def test_two_ranks_consolidate_server_side_through_transient_faults_then_load_resharded(

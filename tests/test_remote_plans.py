@@ -130,6 +130,89 @@ def test_long_runs_are_cut_near_16_mib_and_huge_files_keep_under_the_part_limit(
     assert len(parts) <= 5_000 and all(isinstance(p, GatherPart) for p in parts)
 
 
+def test_without_a_part_minimum_every_run_from_the_own_part_size_is_its_ranks_own() -> None:
+    """GCS and Azure (no part minimum, ``own_part`` 64 KiB): at 8,192 ranks a 405B model's runs
+    are ~64 KiB; each run of at least ``own_part`` is its rank's own part, however far under S3's
+    5 MiB; smaller runs and mixed ones are gathered, in parts of any size."""
+    owners = [(r % 4, 64 << 10) for r in range(64)]  # a tensor's 64 KiB runs, rank after rank
+    owners += [(r % 4, 4 << 10) for r in range(8)]  # a norm's 4 KiB runs
+    owners += [(-1, 100_000)] + [(r % 4, 200 << 10) for r in range(16)]
+    parts, runs, size = _plan(24, owners, min_part=1, own_part=64 << 10, rank_part=16 * MiB)
+    _check(parts, runs, 24, size, min_part=1)
+    own = [p for p in parts if isinstance(p, RankPart)]
+    assert [p.nbytes for p in own] == [64 << 10] * 64 + [200 << 10] * 16
+    assert own[0].header and own[0].start == 24
+    gathered = [p for p in parts if isinstance(p, GatherPart)]
+    assert [p.nbytes for p in gathered] == [8 * (4 << 10) + 100_000]  # the norm, the mixed run
+    # The same runs under S3's rules: every run is under 5 MiB, so all are gathered.
+    parts, runs, size = _plan(24, owners)
+    assert not any(isinstance(p, RankPart) for p in parts)
+
+
+def test_a_file_of_more_runs_than_the_part_limit_gathers_its_smallest_runs_until_it_fits() -> None:
+    """Azure's 50,000 blocks a blob (GCS's compose-tree limit): where every own run would make
+    too many parts, the least own run rises just enough for the file to fit: the smallest runs
+    are gathered, every larger one stays its rank's."""
+    rng = random.Random(7)
+    sizes = [rng.choice([64, 100, 150, 300, 1000, 5000]) for _ in range(2_000)]
+    owners = [(i % 7, n) for i, n in enumerate(sizes)]
+    free, _, _ = _plan(0, owners, min_part=1, own_part=64, rank_part=1 << 20)
+    assert len(free) == 2_000  # every run its own part
+    parts, runs, size = _plan(
+        0, owners, min_part=1, own_part=64, rank_part=1 << 20, gather_part=4096, max_parts=1_000
+    )
+    _check(parts, runs, 0, size, min_part=1)
+    assert len(parts) <= 1_000
+    gathered = [p for p in parts if isinstance(p, GatherPart)]
+    # Per run: whether its bytes go through a gathered part.
+    in_gathered = [any(p.start < a + n and a < p.end for p in gathered) for a, _, n in runs]
+    largest_gathered = max(n for (_, _, n), g in zip(runs, in_gathered, strict=True) if g)
+    # The gathered runs are the smallest: every larger run is its rank's own part.
+    assert all(
+        not g for (_, _, n), g in zip(runs, in_gathered, strict=True) if n > largest_gathered
+    )
+    assert largest_gathered < max(sizes)
+    assert sum(not g for g in in_gathered) > 300  # not all of them gathered
+
+
+def test_gathered_stretches_are_cut_at_the_nodes_runs() -> None:
+    """S3 at scale: every rank's run is under 5 MiB, but a node's 4 ranks hold 8 MiB side by
+    side. Cut at the nodes' runs, each gathered part is one node's bytes (then gathered on that
+    node, crossing hosts once); cut evenly, parts straddle nodes."""
+    owners = [(r, 2 * MiB) for r in range(16)]  # 4 nodes of 4 ranks, 8 MiB a node
+    owners += [(r, 64 << 10) for r in range(16)]  # a small tensor: 256 KiB a node
+    nodes_of = lambda runs: np.array([max(r, -1) // 4 for _, r, _ in runs])  # noqa: E731
+    _, runs, _ = _plan(16, owners)
+    parts, runs, size = _plan(16, owners, gather_part=16 * MiB, run_nodes=nodes_of(runs))
+    _check(parts, runs, 16, size)
+    assert all(isinstance(p, GatherPart) for p in parts)
+
+    def nodes_in(p):
+        return {r // 4 for a, r, n in runs if a < p.end and a + n > max(p.start, 16)}
+
+    # Each node's 8 MiB its own part; the small tensor's 1 MiB, every node's, the last part.
+    assert [len(nodes_in(p)) for p in parts] == [1, 1, 1, 1, 4]
+    assert [p.nbytes for p in parts] == [8 * MiB + 16] + [8 * MiB] * 3 + [MiB]  # header first
+    even, _, _ = _plan(16, owners, gather_part=16 * MiB)
+    assert max(len(nodes_in(p)) for p in even) >= 2
+
+
+def test_random_runs_cut_at_nodes_are_valid_parts() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        owners = [
+            (rng.randrange(-1, 8), rng.choice([0, 1, 7, 40, 63, 64, 65, 100, 300, 1000]))
+            for _ in range(rng.randrange(1, 60))
+        ]
+        header = rng.choice([0, 8, 70])
+        _, runs, _ = _plan(header, owners, min_part=64, rank_part=256)
+        nodes = np.array([r // 2 if r >= 0 else -1 for _, r, _ in runs], dtype=np.int64)
+        parts, runs, size = _plan(
+            header, owners, min_part=64, rank_part=256, gather_part=128, run_nodes=nodes
+        )
+        _check(parts, runs, header, size, min_part=64)
+
+
 def test_runs_that_do_not_tile_the_file_are_refused() -> None:
     one = np.array([5])
     with pytest.raises(ValueError, match="do not tile it"):

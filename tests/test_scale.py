@@ -236,3 +236,79 @@ def test_expert_parallel_ranks_hold_only_their_groups_experts() -> None:
         assert {r for r in range(64) if key in held[r]} == set(range(8 * group, 8 * group + 8))
     # Every other key on every rank; an eighth of the experts' keys.
     assert all(len(h) == len(shapes) - len(experts) + len(experts) // 8 for h in held)
+
+
+# -- where a save's bytes travel on the part stores (benchmarks/bench_traffic.py, small) --------
+
+# 8 ranks, 4 a node, each rank's run of every big tensor 64 KiB-1 MiB: what 8,192 ranks make of
+# a 405B model (GCS and Azure); and one whose ranks' runs are 1-2.5 MiB, their node's 4-10 MiB
+# (S3: under the 5 MiB part minimum a rank, over it a node).
+RUNS_UNDER_1_MIB = LlamaConfig(layers=2, hidden=1024, intermediate=2816, kv_dim=256, vocab=8000)
+NODE_RUNS_OVER_5_MIB = LlamaConfig(layers=2, hidden=2048, intermediate=5120, kv_dim=512, vocab=2048)
+
+
+def _traffic(cfg: LlamaConfig, store: str) -> dict:
+    from benchmarks.bench_traffic import STORES, placed_save, traffic
+
+    placed, layout = placed_save(llama_shapes(cfg), Mesh(8), max_shard_size="64MB")
+    rules, node_aware = STORES[store]
+    return traffic(placed, layout, 8, rules, 4, store, node_aware)
+
+
+@pytest.mark.parametrize("store", ["GCS", "Azure"])
+def test_without_a_part_minimum_bytes_cross_between_hosts_once(store: str) -> None:
+    """GCS and Azure: each node's runs of 64 KiB or more are parts of their own, gathered within
+    the node, so beyond their upload only the norms cross between hosts; with the nodes ignored
+    (as before) most bytes did. Taking every rank's run of 64 KiB or more as its own part, no
+    byte is sent twice at all (at 8,192 ranks: 8x the parts and requests)."""
+    now = _traffic(RUNS_UNDER_1_MIB, store)
+    assert now["cross_node"] < 1.001, now
+    before = _traffic(RUNS_UNDER_1_MIB, f"{store}, nodes ignored (before)")
+    assert before["sent_twice"] > 0.5 and before["cross_node"] > 1.2, before
+    own = _traffic(RUNS_UNDER_1_MIB, f"{store}, every rank's run >= 64 KiB its own")
+    assert own["sent_twice"] < 0.001 and own["cross_node"] < 1.001, own
+    assert own["parts"] > 2 * now["parts"]
+
+
+def test_s3_gathers_on_the_node_that_holds_the_bytes() -> None:
+    """S3: every rank's run is under 5 MiB, so every byte is gathered; cut at the nodes' runs
+    and gathered on the node holding them, what crosses between hosts beyond the upload is
+    what no node holds 5 MiB of."""
+    now = _traffic(NODE_RUNS_OVER_5_MIB, "S3")
+    ignored = _traffic(NODE_RUNS_OVER_5_MIB, "S3, nodes ignored (before)")
+    assert now["sent_twice"] == ignored["sent_twice"] == 1.0
+    assert now["cross_node"] < 1.2 and now["cross_node"] < ignored["cross_node"] - 0.08, (
+        now,
+        ignored,
+    )
+
+
+def test_finishing_a_save_plans_its_parts_as_the_save_did(monkeypatch, tmp_path) -> None:
+    """``hf-dcp consolidate`` re-plans an interrupted save's parts from its records: with the
+    rules and ranks a node the save record keeps, not the finishing process's environment (a
+    shell without ``LOCAL_WORLD_SIZE``) or library defaults, else its part numbers would name
+    other bytes."""
+    from benchmarks.bench_traffic import placed_save
+    from hf_dcp_storage.session.records import SaveRecord
+
+    shapes = llama_shapes(NODE_RUNS_OVER_5_MIB)
+    placed, layout = placed_save(shapes, Mesh(8), max_shard_size="64MB")
+    plans = [rank_save_plan(shapes, Mesh(8), r) for r in range(8)]
+    writer = HFStorageWriter(str(tmp_path))
+
+    def store():
+        return store_for_mode("s3", writer.fs, writer.root, retry=writer.retry, threads=1)
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    saving = store()
+    saving.plan(layout, placed, 8)
+    kept = SaveRecord("0" * 32, "s3", 8, (), {}, saving.record_plan()).encode()
+    record = SaveRecord.decode(kept, "save.json")
+    assert record.part_plan["ranks_per_node"] == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    finishing = store()
+    finishing.adopt(layout, plans, {}, record.part_plan)
+    assert finishing.parts == saving.parts
+    unrecorded = store()
+    unrecorded.adopt(layout, plans, {}, {})
+    assert unrecorded.parts != saving.parts  # what the record is for

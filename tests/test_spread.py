@@ -76,6 +76,23 @@ def test_assign_keeps_every_rank_within_one_task_of_the_others() -> None:
     assert max(total) - min(total) <= 2 * max(sizes)
 
 
+def test_assign_gives_a_task_to_the_node_holding_it_within_one_task_of_the_least_loaded() -> None:
+    # Ranks 0-1 are node 0, 2-3 node 1: each task goes to its node's least-loaded rank.
+    assert assign([10, 10, 10, 10], [0, 0, 0, 0], [1, 1, 0, 0], per_node=2) == [2, 3, 0, 1]
+    # Node 1 is more than one task above the least-loaded rank: the task goes there instead.
+    assert assign([10], [0, 0, 100, 100], [1], per_node=2) == [0]
+    rng = random.Random(1)
+    sizes = [rng.randint(1, 5 << 20) for _ in range(3000)]
+    prefer = [rng.choice([0, 0, 0, 1, -1]) for _ in sizes]  # most tasks held by node 0
+    ranks = assign(sizes, [0] * 16, prefer, per_node=8)
+    total = [0] * 16
+    for size, rank in zip(sizes, ranks, strict=True):
+        total[rank] += 2 * size
+    assert max(total) - min(total) <= 4 * max(sizes)  # balanced all the same
+    kept = sum(p >= 0 and r // 8 == p for p, r in zip(prefer, ranks, strict=True))
+    assert kept > 0.5 * sum(p >= 0 for p in prefer)
+
+
 def _object_plans(world: int):
     writer = HFStorageWriter("/nonexistent/unused", max_shard_size="256MB")
     plans = [

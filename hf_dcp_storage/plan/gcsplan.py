@@ -3,10 +3,11 @@ server.
 
 A consolidated file on GCS is composed server-side from objects: its parts, cut as S3's are
 (``plan/parts.py``, ``plan/partplan.py``) but with GCS's rules (``GCS_RULES``: no minimum part size,
-so a rank sends every run of 1 MiB or more of its own; smaller runs, and column-sharded tensors, are
-staged and gathered into parts by the ranks). Each part is an object under the save's staging
-folder, in a folder of the save's own (``part_name``: named by the save id, so no other save's
-object, nor a stale compose of a killed one, can ever pass for it); a compose takes at most 32
+so a rank sends every run of 1 MiB or more of its own, a node every run of its ranks of 64 KiB or
+more; smaller runs, and column-sharded tensors, are gathered into parts by the ranks). Each part
+is an object under the save's staging folder, in a folder of the save's own (``part_name``:
+named by the save id, so no other save's object, nor a stale compose of a killed one, can ever
+pass for it); a compose takes at most 32
 sources, so a file of more parts is composed as a tree (``compose_tree``): groups of up to 32
 consecutive parts into intermediate objects, those again, until one compose writes the file. The
 header travels as the first bytes of the first part (a rank's own, or a gathered one), as on S3: no
@@ -18,7 +19,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
-from .parts import MAX_PARTS, RANK_PART_BYTES, PartRules
+from .parts import NODE_PART_BYTES, RANK_PART_BYTES, PartRules
 
 __all__ = [
     "GCS_RULES",
@@ -31,9 +32,19 @@ __all__ = [
 
 # GCS's compose takes at most 32 source objects per request.
 MAX_COMPOSE_SOURCES = 32
-# A rank sends its runs of 1 MiB or more as parts of its own (S3 needs 5 MiB); parts of at most
-# 16 MiB, at most 10,000 per file (the compose tree then has 3 levels).
-GCS_RULES = PartRules(min_part=1 << 20, max_parts=MAX_PARTS, rank_part=RANK_PART_BYTES)
+# Compose has no minimum part size: a rank sends each of its runs of 1 MiB or more as a part of
+# its own (S3 needs 5 MiB), and the ranks of a node gather each run of theirs of
+# ``NODE_PART_BYTES`` or more (side by side) into a part of its own, so at scale (8,192 ranks, 8
+# a node: a node's runs of a 405B model's tensors are ~0.5-1.7 MiB) its bytes cross between hosts
+# once; smaller runs (norms, KV projections) are gathered. Parts of at most 16 MiB, at most
+# ``32 ** 4`` per file (a compose tree of at most 4 levels).
+GCS_RULES = PartRules(
+    min_part=1,
+    max_parts=MAX_COMPOSE_SOURCES**4,
+    rank_part=RANK_PART_BYTES,
+    own_part=1 << 20,
+    node_part=NODE_PART_BYTES,
+)
 
 
 def _save_folder(save_id: str) -> str:

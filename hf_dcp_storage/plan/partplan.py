@@ -95,11 +95,17 @@ def parts_rank_plans(
 
 
 def plan_parts(
-    placed: PlacedChunks, layout: Layout, world: int, rules: PartRules = S3_RULES
+    placed: PlacedChunks,
+    layout: Layout,
+    world: int,
+    rules: PartRules = S3_RULES,
+    per_node: int = 1,
 ) -> PartPlan:
     """(coordinator) Plan a part store's save: its parts and gathering tasks, spread over ``world``
     ranks by bytes (``plan/spread.assign``, counting the bytes each rank uploads of its own). Pure.
-    ``rules``: the store's part rules (GCS and Azure plan their parts here too, with theirs).
+    ``rules``: the store's part rules (GCS and Azure plan their parts here too, with theirs);
+    ``per_node``: ranks a node, consecutive (a gathered part goes to the node holding most of it
+    where the load allows: ``plan/gather.py``).
 
     Raises:
         ValueError: a file needs more than ``rules.max_parts`` parts (S3's 10,000).
@@ -151,19 +157,28 @@ def plan_parts(
     parts = []
     for f, plan in enumerate(layout.files):
         a, b = bounds[f], bounds[f + 1]
+        start, nbytes, rank = _joined(
+            runs.start[a:b] - file_base[f], runs.nbytes[a:b], runs.rank[a:b]
+        )
         parts.append(
             plan_file_parts(
                 len(plan.header),
                 plan.size,
-                *_joined(runs.start[a:b] - file_base[f], runs.nbytes[a:b], runs.rank[a:b]),
+                start,
+                nbytes,
+                rank,
                 min_part=rules.min_part,
                 rank_part=rules.rank_part,
                 gather_part=gather_part,
                 max_parts=rules.max_parts,
+                own_part=rules.own_part,
+                run_nodes=np.where(rank >= 0, rank // per_node, -1) if per_node > 1 else None,
+                node_part=rules.node_part,
             )
         )
     return PartPlan(
-        parts, gather_tasks(placed, layout, parts, strided, runs, position, file_base, world)
+        parts,
+        gather_tasks(placed, layout, parts, strided, runs, position, file_base, world, per_node),
     )
 
 

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .nodecuts import NodeRuns, even_cuts, node_cuts
+
 __all__ = [
     "GATHER_PART_BYTES",
     "MAX_PARTS",
     "MAX_PART_BYTES",
     "MIN_PART_BYTES",
+    "NODE_PART_BYTES",
     "RANK_PART_BYTES",
     "S3_RULES",
     "GatherPart",
@@ -48,6 +51,11 @@ MAX_PARTS = 10_000
 # Size of the parts a rank uploads (a long run is cut into parts about this big): a few of them
 # in flight per rank stay well inside the memory budget; grown only for the part-count limit.
 RANK_PART_BYTES = 16 << 20
+# The least run of a node's ranks (side by side) that is a part of its own, gathered within the
+# node, where the store has no minimum part size (GCS, Azure): at 8,192 ranks, 8 a node, a 405B
+# model's attention runs are 512 KiB a node, so their bytes cross between hosts once; smaller
+# runs (norms, KV projections: ~1 % of the bytes) would cost a request each, and are gathered.
+NODE_PART_BYTES = 64 << 10
 # Largest size of the gathered parts (each one task for one rank: fetch the staged ranges,
 # upload): up to 3x fewer tasks and uploads than at the 5 MiB minimum (48,000 instead of 155,000
 # at 405B). ``gather_part_bytes`` picks the size per save.
@@ -58,14 +66,23 @@ GATHER_PART_BYTES = 16 << 20
 class PartRules:
     """What a store's server-side assembly allows: every part but the last holds at least
     ``min_part`` bytes, a file has at most ``max_parts`` parts; ``rank_part``: the size of the parts
-    a rank cuts its long runs into. S3's multipart rules (``S3_RULES``); GCS (compose) and Azure
-    (block lists) have no minimum, so their ranks send shorter runs of their own
-    (``plan/gcsplan.py``,
-    ``plan/azureplan.py``)."""
+    a rank cuts its long runs into; ``own_part``: the least run a rank sends as a part of its own
+    (at least ``min_part``; ``0``: ``min_part``); ``node_part``: the least run of one node's ranks
+    (side by side) that is a part of its own, gathered within the node (at least ``min_part``;
+    ``0``: the least own run). S3's multipart rules (``S3_RULES``); GCS (compose) and Azure
+    (block lists) have no minimum, so their nodes send short runs of their own
+    (``plan/gcsplan.py``, ``plan/azureplan.py``)."""
 
     min_part: int = MIN_PART_BYTES
     max_parts: int = MAX_PARTS
     rank_part: int = RANK_PART_BYTES
+    own_part: int = 0
+    node_part: int = 0
+
+    @property
+    def own_min(self) -> int:
+        """The least run a rank sends as its own part under these rules."""
+        return max(self.min_part, self.own_part, 1)
 
 
 S3_RULES = PartRules()
@@ -76,7 +93,8 @@ def gather_part_bytes(total: int, world: int, min_part: int = MIN_PART_BYTES) ->
     that allows (fewer tasks, fewer requests). Ranks' loads end within one task of each other
     (``plan/spread.assign``) and a task counts twice its size, so with every byte gathered the
     busiest rank moves at most ``1 + 2 * part / (3 * share)`` times the mean (``share``: a rank's
-    own bytes, ``total / world``); a part of 3/40 of the share keeps that under 1.05. Between S3's
+    own bytes, ``total / world``); a part of 3/40 of the share keeps that under 1.05 (1.1 where the
+    parts go to the nodes holding them: two tasks, ``plan/spread.assign``). Between S3's
     5 MiB minimum (a store's ``min_part``, where it has a smaller one) and ``GATHER_PART_BYTES``."""
     return int(
         min(GATHER_PART_BYTES, max(MIN_PART_BYTES, min_part, 3 * total // (40 * max(1, world))))
@@ -127,6 +145,9 @@ def plan_file_parts(
     rank_part: int = RANK_PART_BYTES,
     gather_part: int = GATHER_PART_BYTES,
     max_parts: int = MAX_PARTS,
+    own_part: int = 0,
+    run_nodes: np.ndarray | None = None,
+    node_part: int = 0,
 ) -> list[RankPart | GatherPart]:
     """Cut a file of ``size`` bytes into multipart parts: ranks' own parts wherever a run allows.
 
@@ -141,10 +162,46 @@ def plan_file_parts(
     Pure; a Python step per big run and an object per part, numpy per run and per part, so a
     file of a million small runs costs little.
 
+    ``own_part`` (at least ``min_part``): the least run that is its rank's own part. Where the
+    file would need more than ``max_parts`` parts so (GCS and Azure, whose ranks send short runs),
+    that least run is raised just enough for the file to fit (``_fitting_own_min``): the
+    smallest runs are gathered, the rest stay their ranks' own.
+
+    ``run_nodes`` (the node of each run's rank, ``-1`` for mixed runs): the gathered stretches
+    are cut at the nodes' runs (``plan/nodecuts.py``), so a node's run of at least ``node_part``
+    (``0``: the least own run) is gathered on its node alone; where that would make too many
+    parts, they are cut evenly.
+
     Raises:
         ValueError: the runs do not tile the file, or the file needs more than ``max_parts`` parts
             (S3: 10,000).
     """
+    rules = (min_part, rank_part, gather_part, max_parts, own_part)
+    runs = (header_len, size, run_starts, run_bytes, run_ranks)
+    if run_nodes is not None:
+        nodes = NodeRuns(run_starts, run_bytes, run_nodes)
+        try:
+            return _cut_file(*runs, *rules, nodes, node_part)
+        except ValueError:  # too many parts cut at the nodes' runs: cut evenly
+            pass
+    return _cut_file(*runs, *rules, None, 0)
+
+
+def _cut_file(
+    header_len: int,
+    size: int,
+    run_starts: np.ndarray,
+    run_bytes: np.ndarray,
+    run_ranks: np.ndarray,
+    min_part: int,
+    rank_part: int,
+    gather_part: int,
+    max_parts: int,
+    own_part: int,
+    nodes: NodeRuns | None,
+    node_part: int,
+) -> list[RankPart | GatherPart]:
+    """``plan_file_parts``, the gathered stretches cut at ``nodes``' runs where given."""
     ends = run_starts + run_bytes
     if len(run_starts) and (
         run_starts[0] != header_len or (run_starts[1:] != ends[:-1]).any() or ends[-1] != size
@@ -162,11 +219,25 @@ def plan_file_parts(
     ] = []  # (edges, rank or -1 gathered, header in front)
 
     def gather(a: int, b: int) -> None:
-        count = max(1, (b - a) // gather_target)
-        segments.append((a + (b - a) * np.arange(count + 1, dtype=np.int64) // count, -1, False))
+        if nodes is None:
+            segments.append((even_cuts(a, b, gather_target), -1, False))
+            return
+        cuts = node_cuts(a, b, nodes, min_part, node_part or own_min, gather_target, b == size)
+        segments.extend((edges, -1, False) for edges in cuts)
 
+    own_min = _fitting_own_min(
+        header_len,
+        size,
+        run_starts,
+        run_bytes,
+        run_ranks,
+        max(min_part, own_part, 1),
+        rank_part,
+        gather_target,
+        max_parts,
+    )
     pos = 0  # bytes before pos have their parts
-    for i in np.flatnonzero((run_bytes >= min_part) & (run_ranks >= 0)).tolist():
+    for i in np.flatnonzero((run_bytes >= own_min) & (run_ranks >= 0)).tolist():
         s, n, r = int(run_starts[i]), int(run_bytes[i]), int(run_ranks[i])
         gap, head = s - pos, False
         if gap and pos == 0 and gap == header_len:
@@ -221,6 +292,62 @@ def plan_file_parts(
             strict=True,
         )
     ]
+
+
+def _part_count(
+    header_len: int,
+    size: int,
+    starts: np.ndarray,
+    nbytes: np.ndarray,
+    rank_part: int,
+    gather_target: int,
+) -> int:
+    """At most how many parts ``plan_file_parts`` cuts a file into whose own runs are
+    ``starts``/``nbytes`` (sorted, disjoint): each run's rank parts and each gap's gathered
+    ones (a gap under the minimum borrowing from its run only lowers the count)."""
+    ends = starts + nbytes
+    gaps = np.concatenate((starts, [size])) - np.concatenate(([0], ends))
+    if len(starts) and gaps[0] == header_len:
+        gaps[0] = 0  # only the header before the first run: it goes in front of that run
+    gaps = gaps[gaps > 0]
+    own = int((-(-nbytes // rank_part)).sum())
+    return own + int(np.maximum(1, gaps // gather_target).sum())
+
+
+def _fitting_own_min(
+    header_len: int,
+    size: int,
+    starts: np.ndarray,
+    nbytes: np.ndarray,
+    ranks: np.ndarray,
+    own_min: int,
+    rank_part: int,
+    gather_target: int,
+    max_parts: int,
+) -> int:
+    """The least own run, from ``own_min`` up, for which the file fits in ``max_parts`` parts:
+    a binary search over the runs' sizes (the count falls as the least own run rises), numpy
+    per step."""
+    own = (ranks >= 0) & (nbytes >= own_min)
+
+    def fits(least: int) -> bool:
+        keep = own & (nbytes >= least)
+        return (
+            _part_count(header_len, size, starts[keep], nbytes[keep], rank_part, gather_target)
+            <= max_parts
+        )
+
+    if fits(own_min):
+        return own_min
+    sizes = np.unique(nbytes[own])
+    lo, hi = 0, len(sizes)  # sizes[hi]: fits (hi == len: no own part at all)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(int(sizes[mid]) + 1):
+            hi = mid
+        else:
+            lo = mid + 1
+    return int(sizes[min(lo, len(sizes) - 1)]) + 1
 
 
 def route_run(

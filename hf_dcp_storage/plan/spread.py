@@ -340,19 +340,48 @@ def file_tensors(
     return in_file, tensors
 
 
-def assign(sizes: Sequence[int], load: Sequence[int]) -> list[int]:
+def assign(
+    sizes: Sequence[int],
+    load: Sequence[int],
+    prefer: Sequence[int] | None = None,
+    per_node: int = 1,
+) -> list[int]:
     """The rank that does each task of ``sizes`` bytes, given the bytes ``load[r]`` rank ``r``
     already moves: largest task first, to the least-loaded rank (ties to the lower rank); a task
     counts twice its size (read, then written again). Deterministic; O(T log T + T log N).
 
-    Greedy largest-first keeps the busiest rank within one task of the mean, and tasks are
+    ``prefer[t]``: the node (``per_node`` consecutive ranks) that holds most of task ``t``'s
+    bytes, ``-1`` for none: the task goes to that node's least-loaded rank unless that rank is
+    more than one task (twice its size) above the least-loaded rank of all, so the bytes it
+    holds never cross between nodes and the busiest rank stays within about one task of the
+    mean. Greedy largest-first keeps the busiest rank within one task of the mean, and tasks are
     small (a gathered part is ~16 MiB; a merged file at most ``max_shard_size``).
     """
-    heap = [(int(b), r) for r, b in enumerate(load)]
+    loads = [int(b) for b in load]
+    heap = [(b, r) for r, b in enumerate(loads)]
     heapq.heapify(heap)
+    nodes: dict[int, list[tuple[int, int]]] = {}
+    if prefer is not None:
+        for r, b in enumerate(loads):
+            nodes.setdefault(r // per_node, []).append((b, r))
+
+    def least(h: list[tuple[int, int]]) -> tuple[int, int]:
+        while h[0][0] != loads[h[0][1]]:  # an entry left behind by a later load: drop it
+            heapq.heappop(h)
+        return h[0]
+
     out = [0] * len(sizes)
     for t in sorted(range(len(sizes)), key=lambda t: -sizes[t]):
-        bytes_so_far, rank = heapq.heappop(heap)
+        size = 2 * int(sizes[t])
+        bytes_so_far, rank = least(heap)
+        node = nodes.get(prefer[t]) if prefer is not None and prefer[t] >= 0 else None
+        if node is not None:
+            near, near_rank = least(node)
+            if near <= bytes_so_far + size:
+                rank = near_rank
         out[t] = rank
-        heapq.heappush(heap, (bytes_so_far + 2 * sizes[t], rank))
+        loads[rank] += size
+        heapq.heappush(heap, (loads[rank], rank))
+        if prefer is not None:
+            heapq.heappush(nodes[rank // per_node], (loads[rank], rank))
     return out

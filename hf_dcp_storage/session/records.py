@@ -68,6 +68,10 @@ class SaveRecord:
     world_size: int
     files: tuple[tuple[str, bytes], ...]  # (name, encoded header), by file index
     uploads: Mapping[int, str]  # S3: file index -> multipart upload id
+    # Part stores: what the parts were planned with (the store's ``PartRules`` and the ranks a
+    # node), so that finishing the save plans the same parts whatever the finishing process's
+    # library version or environment; empty in records that predate it.
+    part_plan: Mapping[str, int] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return _json(
@@ -81,6 +85,7 @@ class SaveRecord:
                     for name, header in self.files
                 ],
                 "uploads": {str(f): u for f, u in sorted(self.uploads.items())},
+                "part_plan": dict(sorted(self.part_plan.items())),
             }
         )
 
@@ -97,6 +102,7 @@ class SaveRecord:
                 int(obj["world_size"]),
                 files,
                 {int(f): str(u) for f, u in obj["uploads"].items()},
+                {str(k): int(v) for k, v in obj.get("part_plan", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(

@@ -2,8 +2,9 @@
 the ranks and committed by the coordinator with one ``Put Block List``.
 
 The parts are planned as S3's are, with Azure's rules (``plan/azureplan.py``): each rank stages its
-runs of 1 MiB or more as blocks of the final blob (``Put Block``; ids of one fixed length derived
-from the save, the file and the block's first byte, so nobody needs to be told them) and stages
+runs of 1 MiB or more (a node's ranks, their runs of 64 KiB or more side by side) as blocks of
+the final blob (``Put Block``; ids of one fixed length derived from the save, the file and the
+block's first byte, so nobody needs to be told them) and stages
 the rest in an object of its own; the ranks gather the mixed blocks; the coordinator commits
 each blob (``_assemble``). Until then the blocks are invisible; a commit drops every uncommitted
 block it does not name, so committing again (``hf-dcp consolidate``) gives the same blob. A
@@ -23,8 +24,9 @@ from fsspec import AbstractFileSystem
 
 from ..io import fsio
 from ..io.parallel import parallel_map
-from ..plan.azureplan import AZURE_RULES
+from ..plan.azureplan import AZURE_RULES, MAX_BLOCKS
 from ..plan.layout import Layout
+from ..plan.parts import RANK_PART_BYTES, PartRules
 from ..session.records import SAVE_RECORD, SaveRecord
 from .azure_requests import AZURE_ERRORS, Azure
 from .base import STAGING_DIR
@@ -41,6 +43,8 @@ class AzureStore(PartsStore):
     mode = "azure"
     bound_to_place = "Azure: its bytes sit in uncommitted blocks of the blobs themselves"
     rules = AZURE_RULES
+    # Before the save record kept its rules: runs of 1 MiB or more were a rank's own parts.
+    legacy_rules = PartRules(min_part=1 << 20, max_parts=MAX_BLOCKS, rank_part=RANK_PART_BYTES)
     client_class = Azure
     client: Azure
     errors = AZURE_ERRORS

@@ -238,9 +238,16 @@ class Store(ABC):
         """Undo what ``prepare`` made when the save fails before any rank writes (S3: abort the
         uploads it created); never raises."""
 
-    def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str]) -> None:  # noqa: B027 - an optional step, empty by default
+    def adopt(  # noqa: B027 - an optional step, empty by default
+        self,
+        layout: Layout,
+        plans: list[SavePlan],
+        uploads: Mapping[int, str],
+        part_plan: Mapping[str, int],
+    ) -> None:
         """(``consolidate``) Take over an interrupted save: its layout, every rank's write items
-        (``plans``), and the handles it made (``record_uploads``: S3's multipart uploads)."""
+        (``plans``), the handles it made (``record_uploads``: S3's multipart uploads) and what
+        its parts were planned with (``record_plan``)."""
 
     def reconcile(self, layout: Layout, completion: CompletionRecord | None) -> None:  # noqa: B027 - an optional step, empty by default
         """(``consolidate``, in place, after ``adopt``) Check that what the interrupted save made
@@ -258,6 +265,10 @@ class Store(ABC):
 
     def record_uploads(self) -> Mapping[int, str]:
         """What the save record keeps of the store's own objects (S3: the multipart uploads)."""
+        return {}
+
+    def record_plan(self) -> Mapping[str, int]:
+        """What the save record keeps of how the save was planned (part stores: their rules)."""
         return {}
 
     # -- 3. each rank ---------------------------------------------------------------------------

@@ -41,7 +41,9 @@ def prepare(
     last, publishes them with the weights); a failure undoes what ``prepare`` made."""
     store.prepare(layout, overwrite)
     files = tuple((f.name, f.header) for f in layout.files)
-    record = SaveRecord(store.save_id, store.mode, world, files, store.record_uploads())
+    record = SaveRecord(
+        store.save_id, store.mode, world, files, store.record_uploads(), store.record_plan()
+    )
     extra = dict(companions or {})
     try:
         store.put(fsio.join(store.root, STAGING_DIR, SAVE_RECORD), record.encode())
@@ -78,7 +80,7 @@ def adopt(
     mode: str,
     fs: AbstractFileSystem,
     root: str,
-    record: tuple[Layout, list[SavePlan], Mapping[int, str], str],
+    record: tuple[Layout, list[SavePlan], Mapping[int, str], str, Mapping[str, int]],
     *,
     retry: RetryPolicy,
     threads: int,
@@ -87,10 +89,11 @@ def adopt(
 ) -> Store:
     """(``hf-dcp consolidate``, one process) The store of kind ``mode`` at ``root`` that takes
     over an interrupted save from its records (``record``: its layout, every rank's write items,
-    the handles it made, its save id; ``source``: where its staged objects are read when it is
-    finished elsewhere; ``on_bytes``: told the bytes merged). No I/O."""
-    layout, plans, uploads, save_id = record
+    the handles it made, its save id, what its parts were planned with; ``source``: where its
+    staged objects are read when it is finished elsewhere; ``on_bytes``: told the bytes
+    merged). No I/O."""
+    layout, plans, uploads, save_id, part_plan = record
     store = store_for_mode(mode, fs, root, retry=retry, threads=threads)
     store.save_id, store.source, store.on_bytes = save_id, source, on_bytes
-    store.adopt(layout, plans, dict(uploads))
+    store.adopt(layout, plans, dict(uploads), part_plan)
     return store

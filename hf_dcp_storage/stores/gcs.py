@@ -2,19 +2,20 @@
 ranks upload as objects.
 
 The parts are planned as S3's are, with GCS's rules (``plan/gcsplan.py``): each rank uploads its
-runs of 1 MiB or more as part objects under the save's staging folder (resumable uploads for the
-large ones) and stages the rest; the ranks gather the mixed parts; then the coordinator composes
-each file (``_assemble``): up to 32 sources a compose, as a tree for more
-(``plan/gcsplan.compose_tree``), every level's composes of every file in parallel, each part
-required at the generation its upload made (so a stray object of the same name never enters the
-file), and each composed file checked against its parts before anything is committed: its size, and
-its CRC32C against the one the parts' CRC32Cs make in order (``_check_composed``: a server that
-ignores the preconditions, as fake-gcs-server does, cannot slip a changed part in). Parts and
-intermediates sit in a folder named by the save's id, so no other save (nor a stale compose of a
-killed one) ever reads or writes this save's. The tree's intermediate objects are deleted as soon as
-their file is composed; the parts go with the staging folder once the index is written (until then
-``hf-dcp consolidate`` composes the files again from them: composing is idempotent). A failed save
-deletes its parts and intermediates (``_discard``). The requests are ``stores/gcs_requests.py``.
+runs of 1 MiB or more (a node's ranks, their runs of 64 KiB or more side by side) as part objects
+under the save's staging folder (resumable uploads for the large ones) and stages the rest; the
+ranks gather the mixed parts; then the coordinator composes each file (``_assemble``): up to 32
+sources a compose, as a tree for more (``plan/gcsplan.compose_tree``), every level's composes of
+every file in parallel, each part required at the generation its upload made (so a stray object of
+the same name never enters the file), and each composed file checked against its parts before
+anything is committed: its size, and its CRC32C against the one the parts' CRC32Cs make in order
+(``_check_composed``: a server that ignores the preconditions, as fake-gcs-server does, cannot slip
+a changed part in). Parts and intermediates sit in a folder named by the save's id, so no other save
+(nor a stale compose of a killed one) ever reads or writes this save's. The tree's intermediate
+objects are deleted as soon as their file is composed; the parts go with the staging folder once the
+index is written (until then ``hf-dcp consolidate`` composes the files again from them: composing is
+idempotent). A failed save deletes its parts and intermediates (``_discard``). The requests are
+``stores/gcs_requests.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..io import fsio
 from ..io.parallel import parallel_map
 from ..plan.gcsplan import GCS_RULES, compose_tree, part_name
 from ..plan.layout import Layout
+from ..plan.parts import MAX_PARTS, RANK_PART_BYTES, PartRules
 from .base import STAGING_DIR
 from .gcs_requests import GCS, GCS_ERRORS
 from .parts import PartsStore
@@ -45,6 +47,8 @@ class GcsStore(PartsStore):
     mode = "gcs"
     bound_to_place = "GCS: its parts are objects in the bucket, composed there"
     rules = GCS_RULES
+    # Before the save record kept its rules: runs of 1 MiB or more were a rank's own parts.
+    legacy_rules = PartRules(min_part=1 << 20, max_parts=MAX_PARTS, rank_part=RANK_PART_BYTES)
     client_class = GCS
     client: GCS
     errors = GCS_ERRORS

@@ -27,6 +27,8 @@ A backend gives its requests as a :class:`PartsClient`, its ``rules``, and its a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -41,7 +43,7 @@ from ..io.parallel import parallel_map
 from ..plan.exchange import MAX_TAG_FILES, Sends, plan_sends
 from ..plan.layout import Layout
 from ..plan.partplan import PartPlan, PartsRankPlan, parts_rank_plans, plan_parts
-from ..plan.parts import GatherPart, PartRules, RankPart
+from ..plan.parts import S3_RULES, GatherPart, PartRules, RankPart
 from ..plan.placed import PlacedChunks, place_items
 from ..plan.rankplan import Finished, RankPlan, WrittenRows
 from ..plan.spread import GatherTask, GatherTasks
@@ -68,7 +70,9 @@ __all__ = ["PartsStore"]
 class PartsStore(Store):
     """Files assembled by the server from the ranks' parts (see the module docstring)."""
 
-    rules: ClassVar[PartRules]  # what the server's assembly allows (part sizes, part count)
+    rules: PartRules  # what the server's assembly allows (part sizes, part count); a class's
+    # rules before the save record kept them (how an older save's parts were planned)
+    legacy_rules: ClassVar[PartRules | None] = None
     client_class: ClassVar[type[PartsClient]]  # the backend's requests
 
     def __init__(
@@ -87,6 +91,7 @@ class PartsStore(Store):
         self.sends: list[Sends] = []
         self.held: dict[int, Held] = {}
         self.world = 0  # the save's ranks (``plan``); 0 when finishing another save's records
+        self.per_node = ranks_per_node()  # ranks a node (the save record keeps it, and the rules)
 
     @classmethod
     def ranges(cls, fs: AbstractFileSystem, retry: RetryPolicy) -> Ranges:
@@ -112,7 +117,7 @@ class PartsStore(Store):
         to be parts fit in ``gather_memory``, they travel to the gathering ranks over the ranks'
         network (``stores/exchange.py``), else through the store as staged objects."""
         assert placed is not None
-        plan = plan_parts(placed, layout, world, self.rules)
+        plan = plan_parts(placed, layout, world, self.rules, self.per_node)
         self.layout, self.parts, self.gathers = layout, plan.parts, plan.tasks
         held = _held_bytes(placed, plan, world)
         self.exchanged = (
@@ -125,9 +130,19 @@ class PartsStore(Store):
         self.world = world
         return plan.tasks
 
-    def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str]) -> None:
+    def adopt(
+        self,
+        layout: Layout,
+        plans: list[SavePlan],
+        uploads: Mapping[int, str],
+        part_plan: Mapping[str, int],
+    ) -> None:
         """(``consolidate``) Finish a save from its records: its parts, re-planned from every
-        rank's items, and the handles it made (``reconcile`` then notes what it had assembled)."""
+        rank's items with the rules and nodes it was planned with (a record without them: this
+        store's rules before they were recorded, no nodes), and the handles it made
+        (``reconcile`` then notes what it had assembled)."""
+        self.rules = _recorded_rules(part_plan, self.legacy_rules)
+        self.per_node = int(part_plan.get("ranks_per_node", 1))
         self.plan(layout, place_items(layout, plans), len(plans))
         self.world = 0  # the interrupted save may have left more than its records: list them
         self.uploads = dict(uploads)
@@ -150,6 +165,10 @@ class PartsStore(Store):
 
     def record_uploads(self) -> Mapping[int, str]:
         return self.uploads
+
+    def record_plan(self) -> Mapping[str, int]:
+        rules = dataclasses.asdict(self.rules)
+        return {**rules, "ranks_per_node": self.per_node}
 
     def put(self, path: str, data: bytes) -> None:
         self.client.put(path, data)  # one request: atomic, and retried
@@ -345,6 +364,22 @@ class PartsStore(Store):
         the step, removes what is left)."""
         self.held.clear()
         self._discard(rank_plan.files, rank_plan.save_id)
+
+
+def _recorded_rules(part_plan: Mapping[str, int], legacy: PartRules | None) -> PartRules:
+    """The rules a save record names; a record without them: ``legacy`` (or S3's)."""
+    names = [f.name for f in dataclasses.fields(PartRules)]
+    if not all(n in part_plan for n in names):
+        return legacy or S3_RULES
+    return PartRules(**{n: int(part_plan[n]) for n in names})
+
+
+def ranks_per_node() -> int:
+    """(coordinator) Ranks a node, as ``torchrun`` numbers them (consecutive, ``LOCAL_WORLD_SIZE``
+    on every node; 1 where unset): only where gathered parts go depends on it, so a job whose
+    nodes differ is planned less well, never wrongly."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def _held_bytes(placed: PlacedChunks, plan: PartPlan, world: int) -> np.ndarray:

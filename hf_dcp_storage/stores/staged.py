@@ -58,7 +58,13 @@ class StagedStore(Store):
             placed, layout, world, lambda fn, files: parallel_map(fn, files, self.threads)
         )
 
-    def adopt(self, layout: Layout, plans: list[SavePlan], uploads: Mapping[int, str]) -> None:
+    def adopt(
+        self,
+        layout: Layout,
+        plans: list[SavePlan],
+        uploads: Mapping[int, str],
+        part_plan: Mapping[str, int],
+    ) -> None:
         """(``consolidate``) Finish a save from its records: merge from these write items."""
         self.items = {item.index: item for plan in plans for item in plan.items}
 

@@ -146,7 +146,7 @@ def consolidate_checkpoint(
         record.mode,
         writer.fs,
         writer.root,
-        (layout, plans, record.uploads, record.save_id),
+        (layout, plans, record.uploads, record.save_id, record.part_plan),
         retry=writer.retry,
         threads=thread_count,
         source=None if in_place else (fs, root),

@@ -1,0 +1,72 @@
+"""Where a gathered stretch of a file is cut into parts: at the bytes one node holds, so that a
+part that is all one node's is gathered on that node (``plan/gather.py`` gives it to one of the
+node's ranks) and crosses between hosts only once, on its way to the store.
+
+At a thousand FSDP ranks every rank's run of a tensor is under S3's 5 MiB part minimum, but the
+8 ranks of a node together often hold 5 MiB or more of it, side by side (consecutive ranks hold
+consecutive rows). Cut evenly, a gathered part straddles nodes and most of its bytes come from
+other hosts; cut at the nodes' runs, only what is still too small for a part of its own (a
+node's run under the minimum) is gathered across hosts. Pure; numpy per node run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["NodeRuns", "even_cuts", "node_cuts"]
+
+
+class NodeRuns:
+    """A file's byte runs joined by node: ``start``, ``end``, ``node`` (int64, file order;
+    ``-1``: bytes of several ranks interleaved, a column-sharded tensor's)."""
+
+    def __init__(self, starts: np.ndarray, nbytes: np.ndarray, nodes: np.ndarray) -> None:
+        new = np.ones(len(starts), dtype=bool)
+        new[1:] = (nodes[1:] != nodes[:-1]) | (nodes[1:] < 0)
+        heads = np.flatnonzero(new)
+        ends = starts + nbytes
+        self.start = starts[heads]
+        self.end = ends[np.concatenate((heads[1:] - 1, [len(starts) - 1]))] if len(heads) else ends
+        self.node = nodes[heads]
+
+
+def even_cuts(a: int, b: int, target: int) -> np.ndarray:
+    """Edges cutting ``[a, b)`` into about ``target``-byte parts (one at least)."""
+    count = max(1, (b - a) // target)
+    return a + (b - a) * np.arange(count + 1, dtype=np.int64) // count
+
+
+def node_cuts(
+    a: int, b: int, runs: NodeRuns, min_part: int, node_min: int, target: int, last: bool
+) -> list[np.ndarray]:
+    """Edges cutting the gathered stretch ``[a, b)`` into parts (each array: consecutive parts):
+    every node's run of at least ``node_min`` bytes in it (clipped to it) is parts of its own,
+    about ``target`` bytes; the bytes between are cut evenly, each part at least ``min_part``
+    (a gap under it takes the front of the node run after it, or the whole run where too little
+    would be left; a short end joins the part before it unless ``last``: the file's end)."""
+    lo = int(np.searchsorted(runs.end, a, side="right"))
+    hi = int(np.searchsorted(runs.start, b))
+    s = np.maximum(runs.start[lo:hi], a)
+    e = np.minimum(runs.end[lo:hi], b)
+    big = np.flatnonzero((runs.node[lo:hi] >= 0) & (e - s >= max(node_min, min_part)))
+    out: list[np.ndarray] = []
+    pos = a
+    for i in big.tolist():
+        start, end = int(s[i]), int(e[i])
+        gap = start - pos
+        if gap >= min_part:
+            out.append(even_cuts(pos, start, target))
+        elif gap:
+            need = min_part - gap
+            if end - start - need < min_part:
+                continue  # too little would be left: gathered with what comes after
+            out.append(np.array([pos, start + need], dtype=np.int64))
+            start += need
+        out.append(even_cuts(start, end, target))
+        pos = end
+    if pos < b:
+        if b - pos >= min_part or last or not out:
+            out.append(even_cuts(pos, b, target))
+        else:
+            out[-1] = np.concatenate((out[-1][:-1], [b]))  # too short alone: the part before grows
+    return out
