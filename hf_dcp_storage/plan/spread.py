@@ -353,9 +353,10 @@ def assign(
     ``prefer[t]``: the node (``per_node`` consecutive ranks) that holds most of task ``t``'s
     bytes, ``-1`` for none: the task goes to that node's least-loaded rank unless that rank is
     more than one task (twice its size) above the least-loaded rank of all, so the bytes it
-    holds never cross between nodes and the busiest rank stays within about one task of the
-    mean. Greedy largest-first keeps the busiest rank within one task of the mean, and tasks are
-    small (a gathered part is ~16 MiB; a merged file at most ``max_shard_size``).
+    holds do not cross between nodes and the busiest rank stays within about two tasks of the
+    idlest. Without ``prefer``, greedy largest-first keeps the busiest rank within one task of
+    the mean. Tasks are small (a gathered part is ~16 MiB; a merged file at most
+    ``max_shard_size``).
     """
     loads = [int(b) for b in load]
     heap = [(b, r) for r, b in enumerate(loads)]

@@ -376,8 +376,8 @@ def _recorded_rules(part_plan: Mapping[str, int], legacy: PartRules | None) -> P
 
 def ranks_per_node() -> int:
     """(coordinator) Ranks a node, as ``torchrun`` numbers them (consecutive, ``LOCAL_WORLD_SIZE``
-    on every node; 1 where unset): only where gathered parts go depends on it, so a job whose
-    nodes differ is planned less well, never wrongly."""
+    on every node; 1 where unset): only how gathered stretches are cut and who gathers them
+    depend on it, so a job whose nodes differ is planned less well, never wrongly."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
