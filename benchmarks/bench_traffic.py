@@ -1,15 +1,17 @@
 """Where a save's bytes travel on the part stores at scale, simulated from shapes: bytes sent
 twice, bytes that cross between nodes, requests per rank, on S3, GCS and Azure.
 
-    python -m benchmarks.bench_traffic --cases 405B:8192,DSV3:8192 --ep 1,64 --ranks-per-node 8 \\
+    python -m benchmarks.bench_traffic --cases 405B:8192 --tp 1 --ranks-per-node 8 \\
         --md-out benchmarks/results/traffic-cpu-2core.md
 
 Each case builds every rank's save plan from its DTensor shards (``_synthetic_plans``, equal to
 DCP's own: ``tests/test_scale.py``), places the chunks in the HF files as the coordinator does
 (``plan/compact``, ``plan/placed``) and plans each store's parts and gathering tasks
-(``plan/partplan.plan_parts`` with the store's ``PartRules``: S3's 5 MiB part minimum; GCS and
-Azure, with none, take a rank's runs of 64 KiB or more as its own parts). Nothing is uploaded:
-what is counted is what the plan makes every rank send.
+(``plan/partplan.plan_parts`` with the store's ``PartRules`` and nodes of ``--ranks-per-node``
+ranks: S3's 5 MiB part minimum; GCS and Azure, with none, take a node's runs of 64 KiB or more as
+parts of their own), then the same with the nodes ignored (as before) and, on GCS and Azure, with
+every rank's run of 64 KiB or more its own part. Nothing is uploaded: what is counted is what
+the plan makes every rank send.
 
 - **sent twice**: bytes of gathered parts (each goes to its gathering rank, then up again), per
   checkpoint byte; a rank's own part goes up once.
