@@ -213,6 +213,36 @@ def test_random_runs_cut_at_nodes_are_valid_parts() -> None:
         _check(parts, runs, header, size, min_part=64)
 
 
+def test_node_cuts_without_a_minimum_equal_the_cuts_one_node_run_at_a_time() -> None:
+    """The numpy path (no part minimum: GCS, Azure) cuts exactly as the step-by-step one does."""
+    from hf_dcp_storage.plan.nodecuts import NodeRuns, even_cuts, node_cuts
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        nbytes = rng.choice([1, 7, 64, 100, 300, 5000], size=n).astype(np.int64)
+        starts = 10 + np.concatenate(([0], np.cumsum(nbytes)[:-1]))
+        nodes = rng.integers(-1, 4, size=n).astype(np.int64)
+        runs = NodeRuns(starts, nbytes, nodes)
+        a = int(rng.integers(0, 20))
+        b = int(starts[-1] + nbytes[-1]) - int(rng.integers(0, 3))
+        if b <= a:
+            continue
+        target, node_min = int(rng.choice([50, 256, 4096])), int(rng.choice([1, 64, 300]))
+        fast = np.concatenate([e[:-1] for e in node_cuts(a, b, runs, 1, node_min, target, True)])
+        # The same one stretch at a time: every big node run, and each gap, cut evenly.
+        s, e = np.maximum(runs.start, a), np.minimum(runs.end, b)
+        edges, pos = [], a
+        for i in np.flatnonzero((runs.node >= 0) & (e - s >= node_min) & (s < b) & (e > a)):
+            if s[i] > pos:
+                edges.append(even_cuts(pos, int(s[i]), target)[:-1])
+            edges.append(even_cuts(int(s[i]), int(e[i]), target)[:-1])
+            pos = int(e[i])
+        if pos < b:
+            edges.append(even_cuts(pos, b, target)[:-1])
+        assert fast.tolist() == np.concatenate(edges).tolist()
+
+
 def test_runs_that_do_not_tile_the_file_are_refused() -> None:
     one = np.array([5])
     with pytest.raises(ValueError, match="do not tile it"):
