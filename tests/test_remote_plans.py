@@ -243,6 +243,33 @@ def test_node_cuts_without_a_minimum_equal_the_cuts_one_node_run_at_a_time() -> 
         assert fast.tolist() == np.concatenate(edges).tolist()
 
 
+@pytest.mark.parametrize("nodes", [False, True])
+def test_a_file_without_a_part_minimum_is_cut_at_once_as_run_by_run(nodes: bool) -> None:
+    """GCS and Azure (no minimum): the numpy cut of a whole file gives the parts the step per own
+    run gives, header, node cuts and the one-rank rule included."""
+    from hf_dcp_storage.plan.nodecuts import NodeRuns
+    from hf_dcp_storage.plan.parts import _cut_file
+
+    rng = random.Random(11)
+    for _ in range(300):
+        owners = [
+            (rng.randrange(-1, 8), rng.choice([1, 7, 40, 64, 65, 100, 300, 1000, 5000]))
+            for _ in range(rng.randrange(1, 50))
+        ]
+        header = rng.choice([0, 8, 70])
+        _, runs, size = _plan(header, owners, min_part=64)
+        arr = np.array(runs, dtype=np.int64).reshape(-1, 3)
+        starts, ranks, nbytes = arr[:, 0], arr[:, 1], arr[:, 2]
+        node_runs = (
+            NodeRuns(starts, nbytes, np.where(ranks >= 0, ranks // 2, -1)) if nodes else None
+        )
+        own, node = rng.choice([1, 64, 300]), rng.choice([0, 50, 200])
+        args = (header, size, starts, nbytes, ranks, 1, 256, 128, 10_000, own, node_runs, node)
+        fast = _cut_file(*args)
+        assert fast == _cut_file(*args, vectorized=False)
+        _check(fast, runs, header, size, min_part=1)
+
+
 def test_runs_that_do_not_tile_the_file_are_refused() -> None:
     one = np.array([5])
     with pytest.raises(ValueError, match="do not tile it"):

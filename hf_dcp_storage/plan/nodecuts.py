@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NodeRuns", "even_cuts", "node_cuts"]
+__all__ = ["NodeRuns", "even_cuts", "free_cuts", "node_cuts"]
 
 
 class NodeRuns:
@@ -84,3 +84,53 @@ def _all_even(points: np.ndarray, target: int) -> np.ndarray:
     at = np.repeat(np.arange(len(length)), count)
     k = np.arange(len(at)) - np.repeat(np.cumsum(count) - count, count)
     return np.concatenate((points[at] + length[at] * k // count[at], points[-1:]))
+
+
+def free_cuts(
+    header_len: int,
+    size: int,
+    own: tuple[np.ndarray, np.ndarray, np.ndarray],
+    nodes: NodeRuns | None,
+    node_min: int,
+    rank_part: int,
+    target: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A whole file's parts where the store has no part minimum (GCS, Azure), numpy over all
+    runs at once: ``(start, end, rank, header)`` per part, rank ``-1`` gathered. ``own``: the
+    ranks' own runs ``(start, end, rank)`` (sorted), each cut into parts of about ``rank_part``;
+    the stretches between them cut at ``nodes``' runs of at least ``node_min`` (clipped to the
+    stretch) and evenly into parts of about ``target``; the header alone in front of the first
+    own run goes in front of its first part. The same parts, in the same order, as
+    ``plan/parts.py``'s step-by-step cut with no minimum."""
+    own_start, own_end, own_rank = own
+    points = [np.array([0, size], dtype=np.int64), own_start, own_end]
+    if nodes is not None and len(nodes.start):
+        lo = np.concatenate(([0], own_end))
+        hi = np.concatenate((own_start, [size]))
+        lo, hi = lo[hi > lo], hi[hi > lo]
+        first = np.searchsorted(nodes.end, lo, side="right")
+        count = np.maximum(np.searchsorted(nodes.start, hi) - first, 0)
+        gap = np.repeat(np.arange(len(lo)), count)
+        idx = np.arange(len(gap)) - np.repeat(np.cumsum(count) - count, count) + first[gap]
+        s = np.maximum(nodes.start[idx], lo[gap])
+        e = np.minimum(nodes.end[idx], hi[gap])
+        big = (nodes.node[idx] >= 0) & (e - s >= node_min)
+        points += [s[big], e[big]]
+    pts = np.unique(np.concatenate(points))
+    lo, hi = pts[:-1], pts[1:]
+    head = bool(header_len > 0 and len(own_start) and own_start[0] == header_len)
+    if head:
+        lo, hi = lo[1:], hi[1:]  # [0, header_len): the header, sent with the first own part
+    i = np.maximum(np.searchsorted(own_start, lo, side="right") - 1, 0)
+    is_own = (lo < own_end[i]) & (lo >= own_start[i]) if len(own_start) else np.zeros(len(lo), bool)
+    rank = np.where(is_own, own_rank[i] if len(own_start) else -1, -1)
+    n = hi - lo
+    count = np.where(is_own, -(-n // rank_part), np.maximum(1, n // target))
+    at = np.repeat(np.arange(len(n)), count)
+    k = np.arange(len(at)) - np.repeat(np.cumsum(count) - count, count)
+    start = lo[at] + n[at] * k // count[at]
+    end = lo[at] + n[at] * (k + 1) // count[at]
+    header = np.zeros(len(start), dtype=bool)
+    if head and len(start):
+        header[0] = True
+    return start, end, rank[at].astype(np.int64), header

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .nodecuts import NodeRuns, even_cuts, node_cuts
+from .nodecuts import NodeRuns, even_cuts, free_cuts, node_cuts
 
 __all__ = [
     "GATHER_PART_BYTES",
@@ -200,8 +200,11 @@ def _cut_file(
     own_part: int,
     nodes: NodeRuns | None,
     node_part: int,
+    vectorized: bool = True,
 ) -> list[RankPart | GatherPart]:
-    """``plan_file_parts``, the gathered stretches cut at ``nodes``' runs where given."""
+    """``plan_file_parts``, the gathered stretches cut at ``nodes``' runs where given; with no
+    part minimum all at once (``plan/nodecuts.free_cuts``) unless not ``vectorized`` (a step per
+    own run, as with a minimum: the tests compare the two)."""
     ends = run_starts + run_bytes
     if len(run_starts) and (
         run_starts[0] != header_len or (run_starts[1:] != ends[:-1]).any() or ends[-1] != size
@@ -236,8 +239,14 @@ def _cut_file(
         gather_target,
         max_parts,
     )
+    own = np.flatnonzero((run_bytes >= own_min) & (run_ranks >= 0))
+    if min_part <= 1 and vectorized:  # no minimum: no run borrows from another, all at once
+        mine = (run_starts[own], ends[own], run_ranks[own])
+        node_min = node_part or own_min
+        cut = free_cuts(header_len, size, mine, nodes, node_min, rank_part, gather_target)
+        return _numbered(header_len, run_starts, ends, run_ranks, max_parts, *cut)
     pos = 0  # bytes before pos have their parts
-    for i in np.flatnonzero((run_bytes >= own_min) & (run_ranks >= 0)).tolist():
+    for i in own.tolist():
         s, n, r = int(run_starts[i]), int(run_bytes[i]), int(run_ranks[i])
         gap, head = s - pos, False
         if gap and pos == 0 and gap == header_len:
@@ -259,14 +268,34 @@ def _cut_file(
         return []
     start = np.concatenate([e[:-1] for e, _, _ in segments])
     end = np.concatenate([e[1:] for e, _, _ in segments])
+    rank = np.concatenate([np.full(len(e) - 1, r, dtype=np.int64) for e, r, _ in segments])
+    header = np.zeros(len(start), dtype=bool)
+    header[np.cumsum([0] + [len(e) - 1 for e, _, _ in segments[:-1]])] = [h for _, _, h in segments]
+    return _numbered(header_len, run_starts, ends, run_ranks, max_parts, start, end, rank, header)
+
+
+def _numbered(
+    header_len: int,
+    run_starts: np.ndarray,
+    ends: np.ndarray,
+    run_ranks: np.ndarray,
+    max_parts: int,
+    start: np.ndarray,
+    end: np.ndarray,
+    rank: np.ndarray,
+    header: np.ndarray,
+) -> list[RankPart | GatherPart]:
+    """The cut parts (arrays in file order) checked against the part limit and numbered from 1;
+    a gathered part of one rank's bytes becomes that rank's.
+
+    Raises:
+        ValueError: more than ``max_parts`` parts.
+    """
     if len(start) > max_parts:
         raise ValueError(
             f"the file needs {len(start)} parts, over the store's limit of {max_parts}; lower "
             "max_shard_size"
         )
-    rank = np.concatenate([np.full(len(e) - 1, r, dtype=np.int64) for e, r, _ in segments])
-    header = np.zeros(len(start), dtype=bool)
-    header[np.cumsum([0] + [len(e) - 1 for e, _, _ in segments[:-1]])] = [h for _, _, h in segments]
     # A gathered part of one rank's bytes (the header aside): that rank sends it, nothing staged.
     if len(run_starts):
         at = np.maximum(start, header_len)
