@@ -6,8 +6,9 @@ At a thousand FSDP ranks every rank's run of a tensor is under S3's 5 MiB part m
 8 ranks of a node together often hold 5 MiB or more of it, side by side (consecutive ranks hold
 consecutive rows). Cut evenly, a gathered part straddles nodes and most of its bytes come from
 other hosts; cut at the nodes' runs, only what is still too small for a part of its own (a
-node's run under the minimum) is gathered across hosts. Pure; numpy over all node runs where
-the store has no part minimum, a Python step per big node run where it has one.
+node's run under the minimum) is gathered across hosts. Pure: ``free_cuts``, numpy over a whole
+file, where the store has no part minimum; ``node_cuts``, a Python step per big node run of a
+stretch, where it has one.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ def node_cuts(
     s = np.maximum(runs.start[lo:hi], a)
     e = np.minimum(runs.end[lo:hi], b)
     big = np.flatnonzero((runs.node[lo:hi] >= 0) & (e - s >= max(node_min, min_part)))
-    if min_part <= 1:  # no minimum (GCS, Azure): every stretch between node runs is cut as is
-        return [_all_even(np.unique(np.concatenate(([a, b], s[big], e[big]))), target)]
     out: list[np.ndarray] = []
     pos = a
     for i in big.tolist():
@@ -73,17 +72,6 @@ def node_cuts(
         else:
             out[-1] = np.concatenate((out[-1][:-1], [b]))  # too short alone: the part before grows
     return out
-
-
-def _all_even(points: np.ndarray, target: int) -> np.ndarray:
-    """``even_cuts`` of every stretch between consecutive ``points`` (sorted), as one array of
-    edges: numpy over all of them at once (a Python step per node run costs seconds at 8,192
-    ranks: ~650,000 node runs)."""
-    length = np.diff(points)
-    count = np.maximum(1, length // target)
-    at = np.repeat(np.arange(len(length)), count)
-    k = np.arange(len(at)) - np.repeat(np.cumsum(count) - count, count)
-    return np.concatenate((points[at] + length[at] * k // count[at], points[-1:]))
 
 
 def free_cuts(
