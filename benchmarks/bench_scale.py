@@ -134,7 +134,7 @@ class OurPlan:
 
     layout: Layout
     placements: list[dict[Any, Any]]
-    s3_parts: list[list[RankPart | GatherPart]] | None
+    s3_parts: Sequence[Sequence[RankPart | GatherPart]] | None
     uploads: dict[int, str]
     rank_plans: list[SavePlan]
     timings: dict[str, float] = field(default_factory=dict)

@@ -56,7 +56,7 @@ from hf_dcp_storage.plan.compact import check_and_dedup, gather
 from hf_dcp_storage.plan.gcsplan import GCS_RULES, MAX_COMPOSE_SOURCES
 from hf_dcp_storage.plan.layout import Layout, plan_layout
 from hf_dcp_storage.plan.partplan import plan_parts
-from hf_dcp_storage.plan.parts import S3_RULES, PartRules, RankPart
+from hf_dcp_storage.plan.parts import S3_RULES, PartRules
 from hf_dcp_storage.plan.placed import PlacedChunks, place_chunks
 
 __all__ = ["STORES", "placed_save", "traffic"]
@@ -133,11 +133,10 @@ def traffic(
     own = gathered = parts = 0
     for file_parts in plan.parts:
         parts += len(file_parts)
-        for p in file_parts:
-            if isinstance(p, RankPart):
-                uploads[p.rank] += 1
-                sent[p.rank] += p.nbytes
-                own += p.nbytes
+        mine = file_parts.rank >= 0
+        np.add.at(uploads, file_parts.rank[mine], 1)
+        np.add.at(sent, file_parts.rank[mine], file_parts.nbytes[mine])
+        own += int(file_parts.nbytes[mine].sum())
     crossing = best_crossing = 0
     for rank, tasks in enumerate(plan.tasks):
         for task in tasks:

@@ -382,3 +382,25 @@ def test_remote_column_shard_slabs_fetch_about_16_mib_whatever_the_world_size() 
         remote._slab_bytes(wide, SimpleNamespace(storage_offsets=(0, 0), lengths=(64, 2**19)))
         == SLAB_BYTES
     )
+
+
+def test_file_parts_are_arrays_that_read_as_the_part_objects() -> None:
+    from hf_dcp_storage.plan.fileparts import FileParts
+
+    objects = [
+        RankPart(1, 3, 100, 300, header=True),
+        GatherPart(2, 300, 900),
+        RankPart(3, 0, 900, 1000),
+    ]
+    parts = FileParts.of(objects)
+    assert parts == objects and objects == parts and list(parts) == objects
+    assert len(parts) == 3 and parts[1] == objects[1] and parts[-1] == objects[2]
+    assert parts[1:] == objects[1:]
+    assert parts.own() == [objects[0], objects[2]]
+    assert parts.nbytes.tolist() == [200, 600, 100]
+    assert parts != objects[:2] and parts != FileParts.of(objects[:2])
+    with pytest.raises(IndexError, match="part index 3 out of range for a file of 3 parts"):
+        parts[3]
+    # What the planner returns is such arrays, equal to the objects it stands for.
+    cut, _, _ = _plan(1000, [(0, 20 * MiB), (1, 20 * MiB)])
+    assert isinstance(cut, FileParts) and FileParts.of(list(cut)) == cut

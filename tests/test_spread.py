@@ -33,6 +33,7 @@ from benchmarks.bench_scale import bytes_per_rank, dcp_global_plan, object_local
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
 from hf_dcp_storage.format.geometry import chunk_runs, chunk_runs_array
 from hf_dcp_storage.io.items import in_write_order as _in_write_order
+from hf_dcp_storage.plan.balance import level
 from hf_dcp_storage.plan.layout import collect_tensor_specs, parse_size, place_items, plan_layout
 from hf_dcp_storage.plan.parts import GatherPart, RankPart, route_run
 from hf_dcp_storage.plan.placed import place_items as place_written
@@ -76,10 +77,10 @@ def test_assign_keeps_every_rank_within_one_task_of_the_others() -> None:
     assert max(total) - min(total) <= 2 * max(sizes)
 
 
-def test_assign_gives_a_task_to_the_node_holding_it_within_one_task_of_the_least_loaded() -> None:
-    # Ranks 0-1 are node 0, 2-3 node 1: each task goes to its node's least-loaded rank.
+def test_assign_keeps_a_task_on_the_node_holding_it_where_its_ranks_have_room() -> None:
+    # Ranks 0-1 are node 0, 2-3 node 1: each task goes to its own node's ranks.
     assert assign([10, 10, 10, 10], [0, 0, 0, 0], [1, 1, 0, 0], per_node=2) == [2, 3, 0, 1]
-    # Node 1 is more than one task above the least-loaded rank: the task goes there instead.
+    # Node 1 is already above the level the ranks fill to: the task goes to node 0.
     assert assign([10], [0, 0, 100, 100], [1], per_node=2) == [0]
     rng = random.Random(1)
     sizes = [rng.randint(1, 5 << 20) for _ in range(3000)]
@@ -89,8 +90,36 @@ def test_assign_gives_a_task_to_the_node_holding_it_within_one_task_of_the_least
     for size, rank in zip(sizes, ranks, strict=True):
         total[rank] += 2 * size
     assert max(total) - min(total) <= 4 * max(sizes)  # balanced all the same
-    kept = sum(p >= 0 and r // 8 == p for p, r in zip(prefer, ranks, strict=True))
-    assert kept > 0.5 * sum(p >= 0 for p in prefer)
+    # Node 0 has room for half of all the bytes: its largest tasks stay, the rest go to node 1.
+    held = sum(s for s, p in zip(sizes, prefer, strict=True) if p >= 0)
+    kept = sum(s for s, p, r in zip(sizes, prefer, ranks, strict=True) if p >= 0 and r // 8 == p)
+    assert kept > 0.85 * held
+
+
+def test_assign_with_nodes_balances_random_loads_and_keeps_bytes_home_where_there_is_room() -> None:
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        world, per_node = int(rng.integers(2, 65)), int(rng.integers(1, 9))
+        sizes = rng.integers(1, 5 << 20, int(rng.integers(1, 4000)))
+        load = rng.integers(0, 200 << 20, world)
+        prefer = rng.integers(-1, -(-world // per_node), len(sizes))  # each node alike
+        ranks = np.array(assign(sizes.tolist(), load.tolist(), prefer.tolist(), per_node))
+        assert ranks.min() >= 0 and ranks.max() < world
+        assert assign(sizes.tolist(), load.tolist(), prefer.tolist(), per_node) == ranks.tolist()
+        total = load + np.bincount(ranks, weights=2 * sizes, minlength=world)
+        took = np.bincount(ranks, minlength=world) > 0
+        # Every rank that takes tasks ends within two tasks of the others; one that takes none
+        # is above them all (its own bytes already more than the level).
+        assert np.ptp(total[took]) <= 4 * sizes.max(), seed
+        assert (total[~took] >= total[took].min() - 4 * sizes.max()).all(), seed
+        # Each node keeps its tasks' bytes as far as its ranks have room below the level all
+        # ranks fill to (less the one task that straddles it).
+        room = np.maximum(0, level(load, 2 * sizes.sum()) - load)
+        node = np.arange(world) // per_node
+        for n in range(node[-1] + 1):
+            mine = prefer == n
+            kept = 2 * sizes[mine & (ranks // per_node == n)].sum()
+            assert kept >= min(2 * sizes[mine].sum(), room[node == n].sum()) - 2 * sizes.max()
 
 
 def _object_plans(world: int):

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .balance import assign, fill_near
+from .fileparts import FileParts, Part
 from .layout import Layout
-from .parts import GatherPart, RankPart
 from .placed import PlacedChunks, key_strides, stable_order
-from .spread import GatherTasks, assign, file_tensors
+from .spread import GatherTasks, file_tensors
 
 __all__ = ["Runs", "file_order", "gather_tasks"]
 
@@ -44,7 +45,7 @@ class Runs:
 def gather_tasks(
     placed: PlacedChunks,
     layout: Layout,
-    parts: Sequence[Sequence[RankPart | GatherPart]],
+    parts: Sequence[Sequence[Part]],
     strided: np.ndarray,
     runs: Runs,
     position: np.ndarray,
@@ -61,8 +62,8 @@ def gather_tasks(
     byte and ``file_base``: each file's (int64 ``[files + 1]``, the total last), in all files'
     bytes. Where a rank uploads parts of its own, its staged object lacks their bytes, so its
     later staged offsets in that file move down. ``per_node``: ranks a node (consecutive
-    ranks); a gathered part goes to a rank of the node that holds most of its bytes where the
-    load allows (``plan/spread.assign``)."""
+    ranks); a gathered part goes to a rank of the node that holds most of its bytes where its
+    ranks have room (``plan/balance.fill_near``)."""
     table = _part_table(parts, file_base)
     slots = _slots(table, placed.bytes_per_rank(world), world, runs, per_node)
     lo, hi = table.lo[slots.order], table.hi[slots.order]
@@ -109,38 +110,39 @@ class _Rows:
     at: np.ndarray
 
 
-def _part_table(
-    parts: Sequence[Sequence[RankPart | GatherPart]], file_base: np.ndarray
-) -> _PartTable:
-    """Step 1: ``parts`` (every file's, in file order) as a ``_PartTable``; ``file_base``: each
-    file's first byte in all files' bytes."""
-    flat = [p for ps in parts for p in ps]
-    file = np.repeat(np.arange(len(parts)), [len(ps) for ps in parts])
-    start = np.array([p.start for p in flat], dtype=np.int64)
-    end = np.array([p.end for p in flat], dtype=np.int64)
+def _part_table(file_parts: Sequence[Sequence[Part]], file_base: np.ndarray) -> _PartTable:
+    """Step 1: ``file_parts`` (every file's, in file order; ``FileParts`` already, where the
+    coordinator planned them) as a ``_PartTable``; ``file_base``: each file's first byte in all
+    files' bytes."""
+    parts = [FileParts.of(ps) for ps in file_parts]
+    counts = [len(ps) for ps in parts]
+    file = np.repeat(np.arange(len(parts)), counts)
+    start = np.concatenate([ps.start for ps in parts] + [np.empty(0, np.int64)])
+    end = np.concatenate([ps.end for ps in parts] + [np.empty(0, np.int64)])
     return _PartTable(
         file,
-        np.array([p.number for p in flat], dtype=np.int64),
+        np.concatenate([np.arange(1, n + 1, dtype=np.int64) for n in counts] + [file[:0]]),
         start,
         end,
         start + file_base[file],
         end + file_base[file],
-        np.array([p.rank if isinstance(p, RankPart) else -1 for p in flat], dtype=np.int64),
+        np.concatenate([ps.rank for ps in parts] + [np.empty(0, np.int64)]),
     )
 
 
 def _slots(
     table: _PartTable, load: np.ndarray, world: int, runs: Runs | None = None, per_node: int = 1
 ) -> _Slots:
-    """Step 2: who gathers each gathered part (``plan/spread.assign`` by bytes, ``load[r]``: the
+    """Step 2: who gathers each gathered part (``plan/balance.py``, by bytes, ``load[r]``: the
     bytes rank ``r`` uploads of its own; with nodes of ``per_node`` ranks, a rank of the node
-    holding most of the part's bytes where the load allows), and the slots that makes."""
+    holding most of the part's bytes where its ranks have room: ``fill_near``), and the slots
+    that makes."""
     gathered = np.flatnonzero(table.rank < 0)
-    sizes = (table.end - table.start)[gathered].tolist()
     if per_node > 1 and runs is not None:
         prefer = _best_nodes(runs, table.lo[gathered], table.hi[gathered], per_node)
-        rank_of = np.array(assign(sizes, load.tolist(), prefer.tolist(), per_node), np.int64)
+        rank_of = fill_near((table.end - table.start)[gathered], load, prefer, per_node)
     else:  # no nodes known: by load alone, the busiest within one part of the idlest
+        sizes = (table.end - table.start)[gathered].tolist()
         rank_of = np.array(assign(sizes, load.tolist()), dtype=np.int64)
     by_rank = np.argsort(rank_of, kind="stable")
     return _Slots(gathered[by_rank], np.searchsorted(rank_of[by_rank], np.arange(world + 1)))

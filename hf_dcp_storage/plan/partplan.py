@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .exchange import Sends
+from .fileparts import FileParts, Part, RankPart
 from .gather import Runs, file_order, gather_tasks
 from .layout import Layout
-from .parts import S3_RULES, GatherPart, PartRules, RankPart, gather_part_bytes, plan_file_parts
+from .parts import S3_RULES, PartRules, gather_part_bytes, plan_file_parts
 from .placed import PlacedChunks
 from .spread import GatherTasks
 
@@ -39,7 +40,7 @@ class PartPlan:
     """Every file's parts (``parts[f]``, numbered from 1 in file order) and each rank's share of
     the gathered ones (``tasks[rank]``, in file order)."""
 
-    parts: list[list[RankPart | GatherPart]]
+    parts: list[FileParts]
     tasks: list[GatherTasks]
 
 
@@ -61,7 +62,7 @@ class PartsRankPlan:
 
 def parts_rank_plans(
     layout: Layout,
-    parts: Sequence[Sequence[RankPart | GatherPart]],
+    parts: Sequence[Sequence[Part]],
     uploads: Mapping[int, str],
     tasks: Sequence[GatherTasks],
     sends: Sequence[Sends] | None = None,
@@ -72,9 +73,8 @@ def parts_rank_plans(
     where the save exchanges (``sends`` given), what it sends. Pure."""
     own: dict[int, dict[int, list[RankPart]]] = {}
     for f, file_parts in enumerate(parts):
-        for p in file_parts:
-            if isinstance(p, RankPart):
-                own.setdefault(p.rank, {}).setdefault(f, []).append(p)
+        for p in FileParts.of(file_parts).own():
+            own.setdefault(p.rank, {}).setdefault(f, []).append(p)
     out = []
     for rank, mine in enumerate(tasks):
         by_file = {f: tuple(ps) for f, ps in own.get(rank, {}).items()}
@@ -102,7 +102,7 @@ def plan_parts(
     per_node: int = 1,
 ) -> PartPlan:
     """(coordinator) Plan a part store's save: its parts and gathering tasks, spread over ``world``
-    ranks by bytes (``plan/spread.assign``, counting the bytes each rank uploads of its own). Pure.
+    ranks by bytes (``plan/balance.py``, counting the bytes each rank uploads of its own). Pure.
     ``rules``: the store's part rules (GCS and Azure plan their parts here too, with theirs);
     ``per_node``: ranks a node, consecutive (a gathered part goes to the node holding most of it
     where the load allows: ``plan/gather.py``).

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .fileparts import FileParts, GatherPart, RankPart
 from .nodecuts import NodeRuns, even_cuts, free_cuts, node_cuts
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "NODE_PART_BYTES",
     "RANK_PART_BYTES",
     "S3_RULES",
+    "FileParts",
     "GatherPart",
     "PartRules",
     "RankPart",
@@ -91,47 +93,14 @@ S3_RULES = PartRules()
 def gather_part_bytes(total: int, world: int, min_part: int = MIN_PART_BYTES) -> int:
     """Size of a save's gathered parts: small enough that the work spreads evenly, as large as
     that allows (fewer tasks, fewer requests). Ranks' loads end within one task of each other
-    (``plan/spread.assign``) and a task counts twice its size, so with every byte gathered the
+    (``plan/balance.assign``) and a task counts twice its size, so with every byte gathered the
     busiest rank moves at most ``1 + 2 * part / (3 * share)`` times the mean (``share``: a rank's
     own bytes, ``total / world``); a part of 3/40 of the share keeps that under 1.05 (1.1 where the
-    parts go to the nodes holding them: two tasks, ``plan/spread.assign``). Between S3's
+    parts go to the nodes holding them: two tasks, ``plan/balance.fill_near``). Between S3's
     5 MiB minimum (a store's ``min_part``, where it has a smaller one) and ``GATHER_PART_BYTES``."""
     return int(
         min(GATHER_PART_BYTES, max(MIN_PART_BYTES, min_part, 3 * total // (40 * max(1, world))))
     )
-
-
-@dataclass(frozen=True)
-class RankPart:
-    """Part ``number``: file bytes ``[start, end)``, all held by ``rank``, which uploads them.
-
-    With ``header`` the part starts with the file's header (bytes ``[0, start)``), which the
-    rank gets in its plan: a file whose first data run is big needs no gathered first part.
-    """
-
-    number: int
-    rank: int
-    start: int
-    end: int
-    header: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class GatherPart:
-    """Part ``number``: file bytes ``[start, end)`` (the header's among them, if ``start`` is 0),
-    staged by several ranks and assembled by one (``plan/spread.GatherTask``)."""
-
-    number: int
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 def plan_file_parts(
@@ -148,7 +117,7 @@ def plan_file_parts(
     own_part: int = 0,
     run_nodes: np.ndarray | None = None,
     node_part: int = 0,
-) -> list[RankPart | GatherPart]:
+) -> FileParts:
     """Cut a file of ``size`` bytes into multipart parts: ranks' own parts wherever a run allows.
 
     The runs (arrays, in file order after a ``header_len``-byte header, tiling the rest of the
@@ -159,8 +128,8 @@ def plan_file_parts(
     least ``min_part`` (but the file's last part); a gap under ``min_part`` before a big run
     takes that run's first bytes to reach it, or, if too little would be left, the whole run. A
     gathered part whose bytes (the header aside) all belong to one rank is that rank's to send.
-    Pure; a Python step per big run and an object per part, numpy per run and per part, so a
-    file of a million small runs costs little.
+    Pure; the parts as arrays (``FileParts``); a Python step per big run where the store has a
+    minimum, numpy per run and per part, so a file of a million small runs costs little.
 
     ``own_part`` (at least ``min_part``): the least run that is its rank's own part. Where the
     file would need more than ``max_parts`` parts so (GCS and Azure, whose ranks send short runs),
@@ -201,7 +170,7 @@ def _cut_file(
     nodes: NodeRuns | None,
     node_part: int,
     vectorized: bool = True,
-) -> list[RankPart | GatherPart]:
+) -> FileParts:
     """``plan_file_parts``, the gathered stretches cut at ``nodes``' runs where given; with no
     part minimum all at once (``plan/nodecuts.free_cuts``) unless not ``vectorized`` (a step per
     own run, as with a minimum: the tests compare the two)."""
@@ -265,7 +234,7 @@ def _cut_file(
     if pos < size:
         gather(pos, size)
     if not segments:
-        return []
+        return FileParts(*(np.empty(0, dtype=np.int64),) * 3, np.empty(0, dtype=bool))
     start = np.concatenate([e[:-1] for e, _, _ in segments])
     end = np.concatenate([e[1:] for e, _, _ in segments])
     rank = np.concatenate([np.full(len(e) - 1, r, dtype=np.int64) for e, r, _ in segments])
@@ -284,8 +253,8 @@ def _numbered(
     end: np.ndarray,
     rank: np.ndarray,
     header: np.ndarray,
-) -> list[RankPart | GatherPart]:
-    """The cut parts (arrays in file order) checked against the part limit and numbered from 1;
+) -> FileParts:
+    """The cut parts (arrays in file order) checked against the part limit, as ``FileParts``;
     a gathered part of one rank's bytes becomes that rank's.
 
     Raises:
@@ -310,17 +279,7 @@ def _numbered(
         header |= one & (start == 0) & (header_len > 0)
         rank = np.where(one, run_ranks[run], rank)
         start = np.where(one, at, start)
-    return [
-        RankPart(j, r, a, b, header=h) if r >= 0 else GatherPart(j, a, b)
-        for j, r, a, b, h in zip(
-            range(1, len(start) + 1),
-            rank.tolist(),
-            start.tolist(),
-            end.tolist(),
-            header.tolist(),
-            strict=True,
-        )
-    ]
+    return FileParts(start, end, rank, header)
 
 
 def _part_count(

@@ -6,14 +6,13 @@ small runs (``GatherPart``), on other stores whole files merged from the ranks' 
 With a thousand FSDP ranks every run is small, so that is nearly every byte of the checkpoint;
 left to the coordinator it is the failure seen elsewhere, one process moving the whole
 checkpoint while the others idle. Here the coordinator hands each piece of that work (a task)
-to one rank: largest task first, to the rank with the fewest bytes so far, counting the bytes
-each rank already uploads of its own. Every rank does its tasks at the end of ``write_data``,
-after all ranks have staged (``session/meeting.py``). Pure planning: no I/O.
+to one rank by bytes, counting the bytes each rank already uploads of its own
+(``plan/balance.assign``, re-exported here). Every rank does its tasks at the end of
+``write_data``, after all ranks have staged (``session/meeting.py``). Pure planning: no I/O.
 """
 
 from __future__ import annotations
 
-import heapq
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..format.geometry import chunk_runs_array, element_size
+from .balance import assign
 from .layout import Layout
 from .merge import StagedPiece
 from .placed import PlacedChunks
@@ -35,7 +35,7 @@ __all__ = [
     "MapFn",
     "MergeTask",
     "Source",
-    "assign",
+    "assign",  # re-exported from plan/balance.py
     "file_tensors",
     "merge_tasks",
     "pack_columns",
@@ -338,51 +338,3 @@ def file_tensors(
             )
         tensors.append(tuple(entries))
     return in_file, tensors
-
-
-def assign(
-    sizes: Sequence[int],
-    load: Sequence[int],
-    prefer: Sequence[int] | None = None,
-    per_node: int = 1,
-) -> list[int]:
-    """The rank that does each task of ``sizes`` bytes, given the bytes ``load[r]`` rank ``r``
-    already moves: largest task first, to the least-loaded rank (ties to the lower rank); a task
-    counts twice its size (read, then written again). Deterministic; O(T log T + T log N).
-
-    ``prefer[t]``: the node (``per_node`` consecutive ranks) that holds most of task ``t``'s
-    bytes, ``-1`` for none: the task goes to that node's least-loaded rank unless that rank is
-    more than one task (twice its size) above the least-loaded rank of all, so the bytes it
-    holds do not cross between nodes and the busiest rank stays within about two tasks of the
-    idlest. Without ``prefer``, greedy largest-first keeps the busiest rank within one task of
-    the mean. Tasks are small (a gathered part is ~16 MiB; a merged file at most
-    ``max_shard_size``).
-    """
-    loads = [int(b) for b in load]
-    heap = [(b, r) for r, b in enumerate(loads)]
-    heapq.heapify(heap)
-    nodes: dict[int, list[tuple[int, int]]] = {}
-    if prefer is not None:
-        for r, b in enumerate(loads):
-            nodes.setdefault(r // per_node, []).append((b, r))
-
-    def least(h: list[tuple[int, int]]) -> tuple[int, int]:
-        while h[0][0] != loads[h[0][1]]:  # an entry left behind by a later load: drop it
-            heapq.heappop(h)
-        return h[0]
-
-    out = [0] * len(sizes)
-    for t in sorted(range(len(sizes)), key=lambda t: -sizes[t]):
-        size = 2 * int(sizes[t])
-        bytes_so_far, rank = least(heap)
-        node = nodes.get(prefer[t]) if prefer is not None and prefer[t] >= 0 else None
-        if node is not None:
-            near, near_rank = least(node)
-            if near <= bytes_so_far + size:
-                rank = near_rank
-        out[t] = rank
-        loads[rank] += size
-        heapq.heappush(heap, (loads[rank], rank))
-        if prefer is not None:
-            heapq.heappush(nodes[rank // per_node], (loads[rank], rank))
-    return out

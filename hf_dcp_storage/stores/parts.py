@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..io import fsio
 from ..io.parallel import parallel_map
 from ..plan.exchange import MAX_TAG_FILES, Sends, plan_sends
+from ..plan.fileparts import FileParts
 from ..plan.layout import Layout
 from ..plan.partplan import PartPlan, PartsRankPlan, parts_rank_plans, plan_parts
 from ..plan.parts import S3_RULES, GatherPart, PartRules, RankPart
@@ -81,7 +82,7 @@ class PartsStore(Store):
         super().__init__(fs, root, retry=retry, threads=threads)
         self.client = self.client_class(fs, retry)
         self.layout: Layout | None = None
-        self.parts: list[list[RankPart | GatherPart]] = []  # every file's parts, numbered from 1
+        self.parts: list[FileParts] = []  # every file's parts, numbered from 1
         self.gathers: list[GatherTasks] = []  # every rank's share of the gathered parts
         self.uploads: dict[int, str] = {}  # file -> the handle ``_make_files`` made (S3: upload id)
         self.completed: set[int] = set()  # files an interrupted save had assembled already
@@ -387,7 +388,6 @@ def _held_bytes(placed: PlacedChunks, plan: PartPlan, world: int) -> np.ndarray:
     the gathering ranks."""
     own = np.zeros(world, dtype=np.int64)
     for file_parts in plan.parts:
-        for p in file_parts:
-            if isinstance(p, RankPart):
-                own[p.rank] += p.nbytes
+        mine = file_parts.rank >= 0
+        np.add.at(own, file_parts.rank[mine], file_parts.nbytes[mine])
     return placed.bytes_per_rank(world) - own
