@@ -24,6 +24,9 @@ Each case runs in a fresh process, phase by phase, as ``dcp.save`` runs them wit
    keeps the read items on the rank);
 5. one rank's write-side unpacking of its plan (``plan/rankplan.py``'s ``unpack_table``).
 
+The part stores (``--mode s3,gcs,azure``) plan with nodes of ``--ranks-per-node`` ranks (default
+8: ``LOCAL_WORLD_SIZE``, as ``torchrun`` sets it), as a real job's coordinator does.
+
 Reported: seconds per phase, the coordinator's peak RSS over the imports (its process holds
 nothing else: the simulated ranks' pickles are the gather's buffer), what each rank sends and
 receives, and bytes written per rank (max / mean). Compare with the object plans DCP gathers
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -113,6 +117,20 @@ PLANNING = (
 )
 
 
+def _plans_cache(spec: dict[str, Any]) -> Path | None:
+    """Where ``--plans-cache`` keeps a case's simulated ranks' plans (what they send, and the
+    last rank's kept items), or ``None``. The ranks' side depends on the model, the mesh and the
+    shard size only (not the store); a cached case reports the ranks' time of the run that made
+    it. For reruns while the coordinator's code changes: delete the folder when the ranks'
+    ``prepare_local_plan`` does."""
+    folder = spec.get("plans_cache")
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    key = [spec["model"], spec["world"], spec["tp"], spec.get("ep", 1), spec["max_shard_size"]]
+    return Path(folder, "-".join(map(str, key)) + ".pkl")
+
+
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     """One case in this process; returns its figures."""
     model = spec["model"]
@@ -127,21 +145,32 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         return ExpertParallel(world, ep_degree, experts) if ep_degree > 1 else None
 
     ep = ep_over(mesh.size)
+    # The part stores plan with the nodes the job runs on (``LOCAL_WORLD_SIZE``, as torchrun
+    # sets it: stores/parts.ranks_per_node).
+    os.environ["LOCAL_WORLD_SIZE"] = str(spec.get("ranks_per_node", 1))
     out: dict[str, Any] = {"tensors": len(shapes), "items": 0}
     mode = spec.get("mode", "direct")
     writer = HFStorageWriter(tempfile.gettempdir(), max_shard_size=spec["max_shard_size"])
     t0 = time.perf_counter()
-    blobs, local_s = [], 0.0
-    for rank in range(mesh.size):
-        plan = rank_save_plan(shapes, mesh, rank, ep=ep)
-        out["items"] += len(plan.items)
-        t = time.perf_counter()
-        sent = writer.prepare_local_plan(plan)
-        local_s += time.perf_counter() - t
-        blobs.append(pickle.dumps(sent))
+    blobs, local_s, ranks_s = [], 0.0, 0.0
+    cached = _plans_cache(spec)
+    if cached is not None and cached.exists():  # an earlier run's simulated ranks, as they were
+        blobs, out["items"], local_s, ranks_s, writer._local = pickle.loads(cached.read_bytes())
+    else:
+        for rank in range(mesh.size):
+            plan = rank_save_plan(shapes, mesh, rank, ep=ep)
+            out["items"] += len(plan.items)
+            t = time.perf_counter()
+            sent = writer.prepare_local_plan(plan)
+            local_s += time.perf_counter() - t
+            blobs.append(pickle.dumps(sent))
+        ranks_s = time.perf_counter() - t0
+        if cached is not None:
+            kept = (blobs, out["items"], local_s, ranks_s, writer._local)
+            cached.write_bytes(pickle.dumps(kept))
     keep_items, keep_local = writer._local  # the last rank's, for step 4
     out.update(
-        ranks_s=time.perf_counter() - t0,
+        ranks_s=ranks_s,
         prepare_local_plan_ms=local_s / mesh.size * 1e3,
         sent_bytes_max=max(map(len, blobs)),
         table_bytes=len(pickle.loads(blobs[-1]).storage_data.table),
@@ -428,10 +457,18 @@ def main() -> None:
     )
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument(
+        "--ranks-per-node", type=int, default=8, help="LOCAL_WORLD_SIZE of the simulated job"
+    )
+    ap.add_argument(
         "--mode",
         default="direct",
         help="direct (local disk), staged (stores without positioned writes), s3, gcs, azure; "
         "comma-separated",
+    )
+    ap.add_argument(
+        "--plans-cache",
+        help="folder: reuse the simulated ranks' plans of an earlier run of the same case "
+        "(while prepare_local_plan is unchanged)",
     )
     ap.add_argument("--md-out")
     ap.add_argument("--json-out")
@@ -463,6 +500,8 @@ def main() -> None:
                 "tp": tp,
                 "max_shard_size": args.max_shard_size,
                 "mode": mode,
+                "ranks_per_node": args.ranks_per_node,
+                **({"plans_cache": args.plans_cache} if args.plans_cache else {}),
                 **({"ep": args.ep} if args.ep > 1 else {}),
             }
             proc = subprocess.run(

@@ -165,8 +165,11 @@ def _best_nodes(runs: Runs, lo: np.ndarray, hi: np.ndarray, per_node: int) -> np
     held = np.minimum(end[take], hi[part]) - np.maximum(start[take], lo[part])
     best = np.full(len(lo), -1, dtype=np.int64)
     if len(take):
-        order = np.lexsort((-held, part))  # per part, the most bytes first
-        first = order[np.concatenate(([True], part[order][1:] != part[order][:-1]))]
+        # Per part (its rows side by side), the first row holding the most bytes.
+        some = np.flatnonzero(counts)
+        most = np.maximum.reduceat(held, np.cumsum(counts)[some] - counts[some])
+        top = np.flatnonzero(held == np.repeat(most, counts[some]))
+        first = top[np.concatenate(([True], part[top][1:] != part[top][:-1]))]
         best[part[first]] = node[take[first]]
     return best
 
