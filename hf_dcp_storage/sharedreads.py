@@ -20,9 +20,9 @@ one round's bytes.
 The process group is made straight on the job's key-value store (``session/group.py``), as a
 save's exchange is: no ``new_group`` (which every rank of the job must call alike, from the
 thread that owns the groups) and nothing sent on the trainer's groups. Beyond
-``EAGER_GROUP_WORLD`` ranks it connects lazily: a rank opens connections to the ranks it exchanges
-with (its groups' members, its ring neighbours for the tables), not to all of them, so a load of
-16,384 ranks opens a handful of sockets a rank.
+``session/group.EAGER_GROUP_WORLD`` ranks it connects lazily: a rank opens connections to the
+ranks it exchanges with (its groups' members, its ring neighbours for the tables), not to all of
+them, so a load of 16,384 ranks opens a handful of sockets a rank.
 """
 
 from __future__ import annotations
@@ -56,12 +56,6 @@ __all__ = ["LoadRanks", "ReadFn", "read_sharing"]
 _ALIGN = 64
 # A member's buffer starts with its status: nonzero where its reads of the round failed.
 _HEAD = _ALIGN
-# Up to this many ranks the load's group connects every pair when it is made (a full mesh of at
-# most 63 sockets a rank: cheap, and the group kind the save's exchange has always used); beyond,
-# with gloo's lazy init, each pair when it first exchanges. One run of the suite (torchtune's
-# recipe, 2 ranks, lazy init) saw rank 0 abort at exit ("terminate called without an active
-# exception") after a complete run, not reproduced since: lazy init stays where it is needed.
-EAGER_GROUP_WORLD = 64
 
 # ``read(items, planner)``: the load's own reads of ``items`` into ``planner``'s tensors.
 ReadFn = Callable[[Sequence[ReadItem], LoadPlanner], None]
@@ -106,7 +100,6 @@ def read_sharing(
         ranks.rank,
         ranks.world,
         DEFAULT_RANK_TIMEOUT,
-        lazy=ranks.world > EAGER_GROUP_WORLD,
     )
     try:
         digests = {g: group_digest(g, shared) for g, shared in groups.items()}

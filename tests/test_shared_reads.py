@@ -229,21 +229,23 @@ def test_a_rank_that_fails_its_share_fails_the_others_without_a_wait(tmp_path: P
 
 
 def _lazy_pair(rank: int, world: int, out: str) -> None:
-    from hf_dcp_storage.session.group import save_group
+    from hf_dcp_storage.session.group import EAGER_GROUP_WORLD, save_group
 
-    # A group of 3 of which only these 2 ranks exist: made lazily it needs no third rank to
-    # join, and the two exchange as in a load's group.
-    group = save_group(f"lazy-{world}", rank, 3, 20.0, lazy=True)
+    # A group of EAGER_GROUP_WORLD + 1 of which only these 2 ranks exist: made lazily (the
+    # default at that size) it needs no other rank to join, and the two exchange as in a load's
+    # group or a save's exchange.
+    group = save_group(f"lazy-{world}", rank, EAGER_GROUP_WORLD + 1, 20.0)
     buf = torch.tensor([rank + 41])
     (group.send if rank == 0 else group.recv)([buf], 1 - rank, 0).wait()
     Path(out, f"rank{rank}").write_text(str(int(buf.item())))
 
 
-def test_the_load_group_connects_only_the_ranks_that_exchange(tmp_path: Path) -> None:
-    """The load's group is made with gloo's lazy init (``TORCH_GLOO_LAZY_INIT``, read when the
-    group is made): a rank opens sockets to the ranks it exchanges with, not to the whole load
-    (a full mesh is 16,383 sockets a rank at 16,384 ranks). Without it, making a group of 3 with
-    2 ranks waits for the third and fails."""
+def test_groups_beyond_64_ranks_connect_only_the_ranks_that_exchange(tmp_path: Path) -> None:
+    """The load's group and the save's exchange group are made with gloo's lazy init
+    (``TORCH_GLOO_LAZY_INIT``, read when the group is made) beyond ``EAGER_GROUP_WORLD`` ranks:
+    a rank opens sockets to the ranks it exchanges with, not to the whole job (a full mesh is
+    16,383 sockets a rank at 16,384 ranks). Without it, making a group of 65 with 2 ranks waits
+    for the other 63 and fails."""
     run_ranks(_lazy_pair, 2, str(tmp_path))
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["41", "41"]
     assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # put back as it was

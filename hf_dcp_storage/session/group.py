@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .meeting import job_store
 
-__all__ = ["PointToPoint", "forget_group", "save_group"]
+__all__ = ["EAGER_GROUP_WORLD", "PointToPoint", "forget_group", "save_group"]
 
 _PREFIX = "hf_dcp_storage/group"
 
@@ -39,18 +39,30 @@ class PointToPoint(Protocol):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any: ...
 
 
+# Up to this many ranks a group connects every pair when it is made (a full mesh of at most 63
+# sockets a rank: cheap); beyond, with gloo's lazy init, each pair when it first exchanges: at
+# 8,192 ranks a full mesh is 8,191 sockets a rank, opened before the first byte moves, where a
+# save's exchange talks mostly within a node. One run of the suite (torchtune's recipe, 2 ranks,
+# lazy init) saw rank 0 abort at exit ("terminate called without an active exception") after a
+# complete run, not reproduced since: lazy init stays where it is needed.
+EAGER_GROUP_WORLD = 64
+
+
 def save_group(
-    save_id: str, rank: int, world: int, timeout: float, *, lazy: bool = False
+    save_id: str, rank: int, world: int, timeout: float, *, lazy: bool | None = None
 ) -> PointToPoint:
     """(every rank of save ``save_id``, at the same point of the save) A gloo group of the
-    save's ``world`` ranks, this one ``rank``; send/recv only. Returns once every rank has
-    joined; with ``lazy``, at once, each pair of ranks connecting when it first exchanges
+    save's ``world`` ranks, this one ``rank``; send/recv and collectives. Eager (``lazy``
+    false; the default up to ``EAGER_GROUP_WORLD`` ranks): returns once every rank has joined.
+    Lazy (the default beyond): at once, each pair of ranks connecting when it first exchanges
     (gloo's lazy init: no full mesh of ``world`` sockets a rank).
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or the ranks did not all join
             within ``timeout`` seconds.
     """
+    if lazy is None:
+        lazy = world > EAGER_GROUP_WORLD
     store = dist.PrefixStore(f"{_PREFIX}/{save_id}", job_store())
     with _lazy_init() if lazy else contextlib.nullcontext():
         group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout))
