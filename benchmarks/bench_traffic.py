@@ -58,6 +58,7 @@ from hf_dcp_storage.plan.layout import Layout, plan_layout
 from hf_dcp_storage.plan.partplan import plan_parts
 from hf_dcp_storage.plan.parts import S3_RULES, PartRules
 from hf_dcp_storage.plan.placed import PlacedChunks, place_chunks
+from hf_dcp_storage.plan.spread import GatherTasks
 
 __all__ = ["STORES", "placed_save", "traffic"]
 
@@ -139,18 +140,20 @@ def traffic(
         own += int(file_parts.nbytes[mine].sum())
     crossing = best_crossing = 0
     for rank, tasks in enumerate(plan.tasks):
-        for task in tasks:
-            ranges = task.ranges()  # (file_offset, rank, staged_offset, nbytes)
-            src, n = ranges[:, 1], ranges[:, 3]
-            uploads[rank] += 1
-            sent[rank] += task.nbytes
-            gathered += int(n.sum())
-            away = src != rank
-            np.add.at(sent, src[away], n[away])
-            received[rank] += int(n[away].sum())
-            crossing += int(n[node[src] != node[rank]].sum())
-            held = np.bincount(node[src], weights=n, minlength=int(node[-1]) + 1)
-            best_crossing += int(n.sum() - held.max())
+        part, src, n = _task_ranges(tasks)
+        uploads[rank] += len(tasks)
+        sent[rank] += int((tasks.parts[:, 3] - tasks.parts[:, 2]).sum())
+        gathered += int(n.sum())
+        away = src != rank
+        np.add.at(sent, src[away], n[away])
+        received[rank] += int(n[away].sum())
+        crossing += int(n[node[src] != node[rank]].sum())
+        # Per part, the bytes of the node holding most of it stay; the rest cross at best.
+        key = part * (int(node[-1]) + 1) + node[src]
+        keys, at = np.unique(key, return_inverse=True)
+        held = np.bincount(at, weights=n)
+        first = np.flatnonzero(np.diff(keys // (int(node[-1]) + 1), prepend=-1))
+        best_crossing += int(n.sum() - np.maximum.reduceat(held, first).sum()) if len(keys) else 0
     total = int(placed.nbytes.sum())
     assembly = (
         sum(_composes(len(ps)) for ps in plan.parts if ps)
@@ -174,6 +177,29 @@ def traffic(
         "received_max": int(received.max()),
         "rank_bytes_mean": total / world,
     }
+
+
+def _task_ranges(tasks: GatherTasks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A rank's gathered parts' staged ranges, ``(part, source rank, nbytes)`` per range: the
+    row-sharded pieces straight from the arrays, a column-sharded chunk's runs from its task's
+    ``ranges()`` (tasks that have any; their pieces come with them)."""
+    per = np.diff(tasks.piece_at)
+    strided = np.flatnonzero(np.diff(tasks.strided_at))
+    rows = tasks.pieces.astype(np.int64)
+    part = np.repeat(np.arange(len(tasks)), per)
+    if len(strided):
+        keep = ~np.isin(part, strided)
+        rows, part = rows[keep], part[keep]
+        extra = [tasks.task(int(i)).ranges() for i in strided]
+        counts = [len(r) for r in extra]
+        part = np.concatenate((part, np.repeat(strided, counts)))
+        more = np.concatenate(extra)  # (file_offset, rank, staged_offset, nbytes)
+        return (
+            part,
+            np.concatenate((rows[:, 0], more[:, 1])),
+            np.concatenate((rows[:, 3], more[:, 3])),
+        )
+    return part, rows[:, 0], rows[:, 3]
 
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
