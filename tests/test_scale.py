@@ -283,6 +283,25 @@ def test_s3_gathers_on_the_node_that_holds_the_bytes() -> None:
     )
 
 
+def test_parts_of_many_pieces_spread_over_the_ranks() -> None:
+    """A norm over 256 ranks is 256 pieces of a few bytes; cut at the nodes' runs on GCS it is
+    a part of its own. By bytes alone such parts cost nothing and pile up on the last ranks
+    filled (2,328 pieces on one rank here, 280,000 at 405B over 8,192 ranks); counted at
+    ``PIECE_BYTES`` a piece, no rank receives more than a few of them."""
+    from benchmarks.bench_traffic import placed_save
+    from hf_dcp_storage.plan.gcsplan import GCS_RULES
+    from hf_dcp_storage.plan.partplan import plan_parts
+
+    shapes = llama_shapes(dataclasses.replace(SCALING, layers=4))
+    placed, layout = placed_save(shapes, Mesh.of(256, 1), max_shard_size="64MB")
+    plan = plan_parts(placed, layout, 256, GCS_RULES, 8)
+    pieces = [len(t.pieces) for t in plan.tasks]
+    assert max(pieces) <= 4 * 256, max(pieces)
+    assert sum(len(t) for t in plan.tasks) == sum(
+        int((ps.rank < 0).sum()) for ps in plan.parts
+    )  # every gathered part has its rank
+
+
 def test_finishing_a_save_plans_its_parts_as_the_save_did(monkeypatch, tmp_path) -> None:
     """``hf-dcp consolidate`` re-plans an interrupted save's parts from its records: with the
     rules and ranks a node the save record keeps, not the finishing process's environment (a

@@ -33,7 +33,7 @@ from benchmarks.bench_scale import bytes_per_rank, dcp_global_plan, object_local
 from hf_dcp_storage import HFStorageReader, HFStorageWriter
 from hf_dcp_storage.format.geometry import chunk_runs, chunk_runs_array
 from hf_dcp_storage.io.items import in_write_order as _in_write_order
-from hf_dcp_storage.plan.balance import level
+from hf_dcp_storage.plan.balance import fill_near, level
 from hf_dcp_storage.plan.layout import collect_tensor_specs, parse_size, place_items, plan_layout
 from hf_dcp_storage.plan.parts import GatherPart, RankPart, route_run
 from hf_dcp_storage.plan.placed import place_items as place_written
@@ -120,6 +120,21 @@ def test_assign_with_nodes_balances_random_loads_and_keeps_bytes_home_where_ther
             mine = prefer == n
             kept = 2 * sizes[mine & (ranks // per_node == n)].sum()
             assert kept >= min(2 * sizes[mine].sum(), room[node == n].sum()) - 2 * sizes.max()
+
+
+def test_assign_with_nodes_spreads_tasks_whose_cost_is_not_their_bytes() -> None:
+    """Tasks of few bytes but much fixed work (``cost``: a gathered part of thousands of
+    pieces) count that work: no rank takes more of it than the level every rank fills to and
+    one task, where by bytes alone they land together on the last ranks filled."""
+    sizes = np.array([1 << 20] * 1000 + [1 << 10] * 50)
+    prefer = np.array([r % 8 for r in range(1000)] + [0] * 50)
+    cost = np.array([0] * 1000 + [8 << 20] * 50)
+    weight = 2 * sizes + cost
+    bound = level(np.zeros(64), weight.sum()) + weight.max()
+    for c in (cost, None):
+        ranks = fill_near(sizes, np.zeros(64, dtype=np.int64), prefer, 8, c)
+        costs = np.bincount(ranks, weights=cost, minlength=64)
+        assert (costs.max() <= bound) == (c is not None), (costs.max(), bound)
 
 
 def _object_plans(world: int):

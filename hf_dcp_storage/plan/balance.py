@@ -65,14 +65,21 @@ def level(load: np.ndarray, total: float) -> float:
     return float(h[np.argmax(h <= nxt)])
 
 
-def fill_near(sizes: np.ndarray, load: np.ndarray, prefer: np.ndarray, per_node: int) -> np.ndarray:
+def fill_near(
+    sizes: np.ndarray,
+    load: np.ndarray,
+    prefer: np.ndarray,
+    per_node: int,
+    cost: np.ndarray | None = None,
+) -> np.ndarray:
     """The rank of each task (int64 ``[T]``), every rank filled towards one level ``h``
-    (``level``: where ranks of ``load`` bytes take every task, each counted twice its size).
+    (``level``: where ranks of ``load`` bytes take every task, each counted twice its size plus
+    its ``cost``, bytes' worth of its fixed work: a gathered part's pieces, ``plan/gather.py``).
 
-    1. Each node's tasks (``prefer``), largest first, stay on its ranks while they fit below
+    1. Each node's tasks (``prefer``), heaviest first, stay on its ranks while they fit below
        ``h`` (a task fits when its middle does): their bytes do not leave the node.
     2. The rest (tasks of no node, a node's tasks past its room) fill every rank's room left
-       below ``h``, largest first.
+       below ``h``, heaviest first.
 
     Each fill gives a rank the tasks whose middles fall in its room, so a rank that takes tasks
     ends within a task or two of ``h``, and a rank already above ``h`` takes none. Ranks are
@@ -82,6 +89,8 @@ def fill_near(sizes: np.ndarray, load: np.ndarray, prefer: np.ndarray, per_node:
     if not len(sizes):
         return out
     weight = 2 * sizes.astype(np.float64)
+    if cost is not None:
+        weight += cost
     world = len(load)
     room = np.maximum(0.0, level(load, float(weight.sum())) - load)
     node = np.arange(world) // max(1, per_node)
@@ -90,7 +99,7 @@ def fill_near(sizes: np.ndarray, load: np.ndarray, prefer: np.ndarray, per_node:
     node_room = np.bincount(node, weights=room, minlength=nodes)
     # 1: within each node, the tasks largest first, each at the middle of its bytes.
     near = np.flatnonzero((prefer >= 0) & (prefer < nodes))
-    near = near[np.lexsort((near, -sizes[near], prefer[near]))]
+    near = near[np.lexsort((near, -weight[near], prefer[near]))]
     w = weight[near]
     by_node = prefer[near]
     ends = np.cumsum(w)
@@ -107,7 +116,7 @@ def fill_near(sizes: np.ndarray, load: np.ndarray, prefer: np.ndarray, per_node:
     left = np.maximum(0.0, room - taken)
     rest = np.concatenate((near[~keep], np.flatnonzero((prefer < 0) | (prefer >= nodes))))
     if len(rest):
-        rest = rest[np.lexsort((rest, -sizes[rest]))]
+        rest = rest[np.lexsort((rest, -weight[rest]))]
         order = np.lexsort((np.arange(world), load + taken))
         w = weight[rest]
         bounds = np.cumsum(left[order])
