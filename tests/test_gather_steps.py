@@ -8,6 +8,7 @@ import numpy as np
 
 from hf_dcp_storage.plan.gather import (
     Runs,
+    _best_nodes,
     _column_chunks,
     _narrowed,
     _part_table,
@@ -221,3 +222,20 @@ def test_step6_each_rank_gets_a_slice_of_the_slots_with_its_headers_and_tensors(
     _same(two.strided_at, [0, 0, 1])
     _same(two.strided, columns.rows[2:3].tolist(), np.int32)
     assert two.heads == {0: b"H0H0", 1: b"ER02"} and two.tensors == {1: tensors[1]}
+
+
+def test_a_part_goes_to_the_node_holding_most_of_it_and_ties_spread_over_the_nodes() -> None:
+    # 8 ranks, 2 a node. Part 0: rank 2 (node 1) holds 30 of its 40 bytes. Parts 1-4: 4 ranks
+    # of 4 nodes hold 1 byte each of every one (a norm's parts): each goes to a different node.
+    starts, ranks = [0, 10], [0, 2]
+    for p in range(4):
+        for r in (0, 2, 4, 6):
+            starts.append(40 + 4 * p + r // 2)
+            ranks.append(r)
+    start = np.array(starts, dtype=np.int64)
+    nbytes = np.diff(np.append(start, 56))
+    runs = Runs(start, nbytes, np.array(ranks, dtype=np.int64), np.zeros(len(start), np.int64))
+    lo, hi = np.array([0, 40, 44, 48, 52]), np.array([40, 44, 48, 52, 56])
+    best = _best_nodes(runs, lo, hi, per_node=2)
+    assert best[0] == 1
+    assert sorted(best[1:].tolist()) == [0, 1, 2, 3]

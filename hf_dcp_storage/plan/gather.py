@@ -166,8 +166,9 @@ def _piece_counts(runs: Runs, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 def _best_nodes(runs: Runs, lo: np.ndarray, hi: np.ndarray, per_node: int) -> np.ndarray:
     """Per part ``[lo, hi)`` (in all files' bytes, sorted, disjoint): the node holding most of
-    its row-sharded bytes (``-1``: none, e.g. only a column-sharded tensor's). Neighbouring runs
-    of one node are joined first (at 8,192 ranks, 8 a node: 8x fewer rows)."""
+    its row-sharded bytes (``-1``: none, e.g. only a column-sharded tensor's; between nodes
+    that hold as much, the part's index picks one). Neighbouring runs of one node are joined
+    first (at 8,192 ranks, 8 a node: 8x fewer rows)."""
     keep = np.flatnonzero(runs.rank >= 0)
     start, end = runs.start[keep], runs.start[keep] + runs.nbytes[keep]
     node = runs.rank[keep] // per_node
@@ -181,12 +182,16 @@ def _best_nodes(runs: Runs, lo: np.ndarray, hi: np.ndarray, per_node: int) -> np
     held = np.minimum(end[take], hi[part]) - np.maximum(start[take], lo[part])
     best = np.full(len(lo), -1, dtype=np.int64)
     if len(take):
-        # Per part (its rows side by side), the first row holding the most bytes.
+        # Per part (its rows side by side), the rows holding the most bytes; between several
+        # (a norm's part: every node holds a few bytes of it) the part's number picks one, so
+        # such parts go to many nodes, not all to the first.
         some = np.flatnonzero(counts)
         most = np.maximum.reduceat(held, np.cumsum(counts)[some] - counts[some])
         top = np.flatnonzero(held == np.repeat(most, counts[some]))
-        first = top[np.concatenate(([True], part[top][1:] != part[top][:-1]))]
-        best[part[first]] = node[take[first]]
+        first = np.flatnonzero(np.concatenate(([True], part[top][1:] != part[top][:-1])))
+        ties = np.diff(np.append(first, len(top)))
+        pick = top[first + part[top[first]] % ties]
+        best[part[pick]] = node[take[pick]]
     return best
 
 
