@@ -97,7 +97,7 @@ def fill_near(
     nodes = int(node[-1]) + 1
     rank_order = np.lexsort((np.arange(world), load, node))  # by node, then least-loaded first
     node_room = np.bincount(node, weights=room, minlength=nodes)
-    # 1: within each node, the tasks largest first, each at the middle of its bytes.
+    # 1: within each node, the tasks heaviest first, each at the middle of its weight.
     near = np.flatnonzero((prefer >= 0) & (prefer < nodes))
     near = near[np.lexsort((near, -weight[near], prefer[near]))]
     w = weight[near]
